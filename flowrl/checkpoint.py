@@ -1,0 +1,89 @@
+"""Checkpoints: LoRA weights in diffusers' format (``StableDiffusion3Pipeline.load_lora_weights`` loads
+them), or the full transformer; plus optimizer, EMA and counters for exact resume.
+
+Each checkpoint is written to a temporary folder and renamed into place, so a crash never leaves a
+half-written checkpoint. Weights load only as safetensors or ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from .errors import FlowRLError
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+STATE_FILE = "trainer_state.pt"
+
+
+def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
+    from peft.utils import get_peft_model_state_dict
+
+    return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
+
+
+def save_checkpoint(ckpt_dir: Path, transformer, optimizer, iteration: int, lora: bool, ema=None,
+                    extra: dict | None = None, keep: int = 2) -> Path:
+    from diffusers import StableDiffusion3Pipeline
+
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_dir.with_name(f".{ckpt_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    if lora:
+        StableDiffusion3Pipeline.save_lora_weights(str(tmp), transformer_lora_layers=lora_state_dict(transformer))
+    else:
+        transformer.save_pretrained(str(tmp / "transformer"), safe_serialization=True)
+    state = {"optimizer": optimizer.state_dict(), "iteration": iteration}
+    if ema is not None:
+        state["ema"] = ema.state_dict()
+    torch.save(state, tmp / STATE_FILE)
+    (tmp / "state.json").write_text(json.dumps({"iteration": iteration, "lora": lora, **(extra or {})}, indent=1))
+    if ckpt_dir.exists():
+        shutil.rmtree(ckpt_dir)
+    os.replace(tmp, ckpt_dir)
+    # keep the newest `keep` checkpoints
+    ckpts = sorted(p for p in ckpt_dir.parent.glob("iter_*") if p.is_dir())
+    for old in ckpts[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return ckpt_dir
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    ckpts = sorted(p for p in (Path(run_dir) / "checkpoints").glob("iter_*") if (p / "state.json").is_file())
+    return ckpts[-1] if ckpts else None
+
+
+def load_lora_into(transformer, ckpt_dir: Path) -> None:
+    """Load a diffusers-format LoRA file into a transformer that already has the same adapter config."""
+    from peft.utils import set_peft_model_state_dict
+
+    path = Path(ckpt_dir) / LORA_FILE
+    if not path.is_file():
+        raise FlowRLError(f"{ckpt_dir}: no {LORA_FILE}; is this a flowrl LoRA checkpoint?")
+    try:
+        sd = load_file(str(path))
+    except Exception as exc:
+        raise FlowRLError(f"{path}: unreadable safetensors file ({exc})") from exc
+    sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
+    result = set_peft_model_state_dict(transformer, sd)
+    unexpected = getattr(result, "unexpected_keys", None) or []
+    if unexpected:
+        raise FlowRLError(f"{path}: keys do not match this model's LoRA (first: {unexpected[:3]}); check train.lora "
+                          "rank/targets match the run that wrote it")
+
+
+def load_trainer_state(ckpt_dir: Path) -> dict:
+    path = Path(ckpt_dir) / STATE_FILE
+    if not path.is_file():
+        raise FlowRLError(f"{ckpt_dir}: no {STATE_FILE}; cannot resume from it")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise FlowRLError(f"{path}: unreadable trainer state ({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc

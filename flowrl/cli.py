@@ -1,0 +1,157 @@
+"""The ``flowrl`` command line: train, sample, compare, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .errors import FlowRLError
+
+
+def _load(config: str | None, overrides: list[str]):
+    from .config import load_config
+
+    return load_config(config, overrides)
+
+
+def cmd_train(args) -> int:
+    from .trainer import Trainer
+
+    cfg = _load(args.config, args.overrides)
+    name = Path(args.config).stem if args.config else "default"
+    trainer = Trainer(cfg, config_name=name)
+    print(f"run directory: {trainer.run_dir}", file=sys.stderr)
+    run_dir = trainer.train()
+    rows = __import__("flowrl.report", fromlist=["read_metrics"]).read_metrics(run_dir / "metrics.jsonl")
+    if rows:
+        k = max(1, len(rows) // 5)
+        first = sum(r["reward_mean/total"] for r in rows[:k]) / k
+        last = sum(r["reward_mean/total"] for r in rows[-k:]) / k
+        print(json.dumps({"run_dir": str(run_dir), "iterations": len(rows), f"reward_first{k}": round(first, 5),
+                          f"reward_last{k}": round(last, 5), "reward_curve": str(run_dir / "reward_curve.png"),
+                          "samples": str(run_dir / "samples")}))
+    return 0
+
+
+def cmd_sample(args) -> int:
+    import torch
+
+    from .checkpoint import latest_checkpoint, load_lora_into
+    from .config import load_config
+    from .models import SD3Adapter
+    from .report import save_grid
+    from .trainer import add_lora, resolve_device, sample_images, sigmas_for
+
+    ckpt = None
+    if args.checkpoint:
+        ckpt = Path(args.checkpoint)
+        if (ckpt / "checkpoints").is_dir():
+            ckpt = latest_checkpoint(ckpt)
+        if ckpt is None or not (ckpt / "state.json").is_file():
+            raise FlowRLError(f"--checkpoint {args.checkpoint}: not a flowrl checkpoint or run directory")
+        run_cfg = ckpt.parent.parent / "config.yaml"
+        cfg = load_config(args.config or run_cfg, args.overrides)
+    else:
+        cfg = load_config(args.config, args.overrides)
+    prompts = args.prompt or cfg.data.sample_prompts or cfg.data.prompts
+    if not prompts:
+        from .prompts import DEFAULT_TINY_PROMPTS
+
+        prompts = DEFAULT_TINY_PROMPTS[:4]
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else cfg.data.sample_seeds
+    device = resolve_device(cfg.device)
+    adapter = SD3Adapter.from_config(cfg.model, device)
+    shape = adapter.latent_shape(cfg.model.resolution)
+    sigmas = sigmas_for(cfg, adapter, args.steps or cfg.sampler.eval_num_steps)
+    neg = adapter.encode_prompts([cfg.sampler.negative_prompt]) if cfg.sampler.guidance_scale > 1 else None
+    base = sample_images(adapter, prompts, seeds, sigmas, shape, cfg.sampler.guidance_scale, neg)
+    images, title = base, "base model"
+    if ckpt is not None:
+        if not cfg.train.lora.enabled:
+            raise FlowRLError("sample --checkpoint supports LoRA checkpoints; full fine-tunes load with diffusers")
+        add_lora(adapter.transformer, cfg.train.lora, adapter.lora_targets)
+        load_lora_into(adapter.transformer, ckpt)
+        tuned = sample_images(adapter, prompts, seeds, sigmas, shape, cfg.sampler.guidance_scale, neg)
+        s = len(seeds)
+        # each row: base seeds | fine-tuned seeds
+        images = torch.cat([torch.cat([base[i * s:(i + 1) * s], tuned[i * s:(i + 1) * s]]) for i in range(len(prompts))])
+        title = f"left {s}: base | right {s}: {ckpt.name}"
+        seeds = seeds * 2
+    out = Path(args.out)
+    save_grid(images, len(seeds), out, row_labels=prompts, title=title)
+    print(json.dumps({"grid": str(out), "prompts": len(prompts), "seeds": len(seeds)}))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from .report import compare_runs
+
+    for d in args.runs:
+        if not Path(d).is_dir():
+            raise FlowRLError(f"{d}: not a directory")
+    png, csv_path = compare_runs([Path(d) for d in args.runs], Path(args.out), args.x, args.metric, args.smoothing)
+    print(json.dumps({"png": str(png), "csv": str(csv_path)}))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    cfg = _load(args.config, args.overrides)
+    print(json.dumps(run_bench(cfg, repeats=args.repeats), indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flowrl", description="GRPO fine-tuning of flow-matching models.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="fine-tune with a config file and key.sub=value overrides")
+    t.add_argument("config", nargs="?", help="YAML config (defaults: the tiny model, JPEG reward)")
+    t.add_argument("overrides", nargs="*", help="overrides such as train.lr=1e-4 algorithm.group_size=8")
+    t.set_defaults(func=cmd_train)
+    s = sub.add_parser("sample", help="grid of prompts x seeds from the base model, or base | checkpoint side by side")
+    s.add_argument("config", nargs="?")
+    s.add_argument("overrides", nargs="*")
+    s.add_argument("--checkpoint", help="checkpoint folder or run directory (latest checkpoint)")
+    s.add_argument("--prompt", action="append", help="prompt (repeatable); default: the config's sample prompts")
+    s.add_argument("--seeds", help="comma-separated seeds")
+    s.add_argument("--steps", type=int, help="ODE steps (default sampler.eval_num_steps)")
+    s.add_argument("--out", default="samples.png")
+    s.set_defaults(func=cmd_sample)
+    c = sub.add_parser("compare", help="reward curves of several runs (seed bands), PNG and CSV")
+    c.add_argument("runs", nargs="+", help="run directories")
+    c.add_argument("--x", default="iteration", choices=["iteration", "nfe", "time"])
+    c.add_argument("--metric", default="reward_mean/total")
+    c.add_argument("--smoothing", type=int, default=1)
+    c.add_argument("--out", default="compare")
+    c.set_defaults(func=cmd_compare)
+    b = sub.add_parser("bench", help="time one iteration; rollout batched vs max_batch=1 (JSON)")
+    b.add_argument("config", nargs="?")
+    b.add_argument("overrides", nargs="*")
+    b.add_argument("--repeats", type=int, default=1)
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    args = build_parser().parse_args(argv)
+    # a config path that looks like an override belongs to the overrides
+    if getattr(args, "config", None) and "=" in args.config and not os.path.exists(args.config):
+        args.overrides = [args.config] + list(args.overrides)
+        args.config = None
+    try:
+        return args.func(args)
+    except FlowRLError as exc:
+        print(f"flowrl: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("flowrl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,377 @@
+"""Typed configuration: a dataclass tree loaded from YAML with ``key.sub=value`` overrides.
+
+Every problem (unknown key, wrong type, out-of-range value) is reported before any work starts, as one
+line that names the key and, for unknown keys, suggests the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+from .errors import ConfigError
+
+
+def _range(lo=None, hi=None, choices=None, lo_open=False):
+    return {"lo": lo, "hi": hi, "choices": choices, "lo_open": lo_open}
+
+
+def opt(default, doc: str = "", **check):
+    """A dataclass field with a default, a docstring and optional range/choice checks."""
+    meta = {"doc": doc, **_range(**check)}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class TinyModelConfig:
+    resolution: int = opt(16, "image size in pixels", lo=8)
+    vae: bool = opt(False, "build a tiny AutoencoderKL (latent space) instead of pixel space")
+    patch_size: int = opt(2, lo=1)
+    num_layers: int = opt(2, lo=1)
+    num_attention_heads: int = opt(2, lo=1)
+    attention_head_dim: int = opt(32, lo=8)
+    text_hidden: int = opt(32, "hidden size of each tiny CLIP text encoder", lo=8)
+    text_projection: int = opt(32, lo=8)
+    text_layers: int = opt(2, lo=1)
+    max_tokens: int = opt(16, "tokenizer length of the tiny text encoders", lo=4)
+    shift: float = opt(1.0, "scheduler shift of the tiny model", lo=0.0, lo_open=True)
+    init_seed: int = opt(0, "seed of the random initialisation")
+
+
+@dataclass
+class ModelConfig:
+    family: str = opt("sd3", choices=["sd3"])
+    pretrained: Optional[str] = opt("tiny", "'tiny', a preset (sd3.5-medium, sd3.5-large), a hub id or a local diffusers folder")
+    dtype: str = opt("fp32", "weights dtype of the transformer", choices=["fp32", "bf16", "fp16"])
+    resolution: int = opt(16, "image resolution in pixels", lo=8)
+    use_t5: bool = opt(True, "load the T5 encoder of real SD3 checkpoints")
+    max_sequence_length: int = opt(256, "T5 tokens (real checkpoints only)", lo=0, hi=512)
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class SamplerConfig:
+    num_steps: int = opt(10, "denoising steps of the rollout", lo=1)
+    schedule: str = opt("diffusers", "sigma grid", choices=["diffusers", "static_shift", "dynamic_shift"])
+    shift: float = opt(3.0, "shift for static_shift", lo=0.0, lo_open=True)
+    kernel: str = opt("flow_grpo", "SDE step kernel", choices=["flow_grpo", "dance", "cps"])
+    noise_level: float = opt(0.7, "a for flow_grpo/cps, eta for dance", lo=0.0)
+    guidance_scale: float = opt(1.0, "CFG scale in rollout and training (1 = off)", lo=0.0)
+    negative_prompt: str = opt("", "negative prompt used with CFG")
+    eval_num_steps: int = opt(10, "ODE steps for sample grids and evaluation", lo=1)
+
+
+@dataclass
+class WindowConfig:
+    size: int = opt(0, "SDE window length in steps (0 = no window: all steps SDE)", lo=0)
+    placement: str = opt("fixed", choices=["fixed", "random", "progressive"])
+    start: int = opt(0, "first window step for fixed placement", lo=0)
+    range_start: int = opt(0, "earliest window start (random / progressive)", lo=0)
+    range_end: int = opt(-1, "window must end by this step (-1 = num_steps - 1)")
+    stride: int = opt(1, "progressive: steps the window moves each shift", lo=0)
+    iters_per_shift: int = opt(25, "progressive: iterations before the window moves", lo=1)
+    roll_back: bool = opt(True, "progressive: restart at range_start after the last position")
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = opt("flow_grpo", choices=["flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo"])
+    group_size: int = opt(4, "samples per prompt (G)", lo=2)
+    shared_noise: bool = opt(False, "all G samples of a prompt start from the same noise (DanceGRPO)")
+    timestep_fraction: float = opt(0.99, "fraction of steps trained (flow_grpo: first int(T*f); dance: random subset)", lo=0.0, hi=1.0, lo_open=True)
+    timestep_selection: str = opt("first", choices=["first", "random"])
+    window: WindowConfig = field(default_factory=WindowConfig)
+    max_batch: int = opt(64, "most tree nodes per transformer call", lo=1)
+
+
+@dataclass
+class AdvantageConfig:
+    std: str = opt("group", "normalise by each group's std or the batch's", choices=["group", "global"])
+    ddof: int = opt(0, "0 = numpy std (Flow-GRPO), 1 = torch.std (DanceGRPO)", lo=0, hi=1)
+    eps: float = opt(1e-4, lo=0.0)
+    clip: float = opt(5.0, "clip advantages to +-clip", lo=0.0, lo_open=True)
+    zero_std_threshold: float = opt(1e-6, "groups with std below this get zero advantage", lo=0.0)
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = opt(True, "LoRA through peft; false = full fine-tuning")
+    rank: int = opt(8, lo=1)
+    alpha: float = opt(16.0, lo=0.0, lo_open=True)
+    targets: list[str] = opt([], "module names; empty = the model family's defaults")
+
+
+@dataclass
+class EmaConfig:
+    enabled: bool = opt(False)
+    decay: float = opt(0.9, lo=0.0, hi=1.0)
+    update_every: int = opt(1, lo=1)
+
+
+@dataclass
+class TrainConfig:
+    iterations: int = opt(30, "rollout + update iterations", lo=1)
+    prompts_per_iter: int = opt(4, "distinct prompts (groups) per iteration", lo=1)
+    lr: float = opt(3e-4, lo=0.0, lo_open=True)
+    betas: list[float] = opt([0.9, 0.999])
+    weight_decay: float = opt(1e-4, lo=0.0)
+    adam_eps: float = opt(1e-8, lo=0.0, lo_open=True)
+    clip_range: float = opt(1e-4, "PPO clip on the per-element-mean log-prob ratio", lo=0.0, lo_open=True)
+    kl_beta: float = opt(0.0, "KL to the reference (LoRA disabled) policy", lo=0.0)
+    max_grad_norm: float = opt(1.0, lo=0.0, lo_open=True)
+    num_minibatches: int = opt(1, "optimizer steps per inner epoch (trained edges split evenly)", lo=1)
+    inner_epochs: int = opt(1, lo=1)
+    micro_batch: int = opt(64, "most parent states per forward/backward (gradient accumulation)", lo=1)
+    cfg: bool = opt(True, "apply CFG in the training forward when guidance_scale > 1")
+    mixed_precision: str = opt("no", choices=["no", "fp16", "bf16"])
+    log_prob_reduce: str = opt("mean", "mean over latent elements (the anchors' convention) or sum", choices=["mean", "sum"])
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    seed: int = opt(0)
+
+
+@dataclass
+class RewardSpec:
+    name: str = opt("jpeg_compressibility", "registered name or module:function")
+    weight: float = opt(1.0)
+    args: dict[str, Any] = opt({}, "keyword arguments for the reward's constructor")
+
+
+@dataclass
+class DataConfig:
+    prompts: list[str] = opt([], "training prompts (or use prompt_file)")
+    prompt_file: Optional[str] = opt(None, ".txt (one per line) or .jsonl with a 'prompt' field")
+    sample_prompts: list[str] = opt([], "prompts of the sample grids (default: the first training prompts)")
+    sample_seeds: list[int] = opt([0, 1, 2, 3])
+
+
+@dataclass
+class LogConfig:
+    output_dir: str = opt("runs", "parent folder of run directories")
+    run_name: Optional[str] = opt(None, "run folder name (default: config name + time)")
+    sample_every: int = opt(10, "iterations between sample grids (0 = only start and end)", lo=0)
+    save_every: int = opt(10, "iterations between checkpoints (0 = only at the end)", lo=0)
+    keep_checkpoints: int = opt(2, lo=1)
+    trackers: list[str] = opt([], "accelerate trackers: tensorboard, wandb")
+    progress: bool = opt(True, "progress bars")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+    data: DataConfig = field(default_factory=DataConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    resume: Optional[str] = opt(None, "'latest' or a checkpoint folder to resume from")
+    device: str = opt("auto", choices=["auto", "cpu", "cuda"])
+
+
+# --------------------------------------------------------------------------------------------- parsing
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value, tp, key: str):
+    """Check ``value`` against annotation ``tp`` and convert where lossless; raise ConfigError otherwise."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return _build(tp, value, key)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _check_range(value, meta, key):
+    if value is None or not meta:
+        return
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}{hint}")
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if lo is not None and (value < lo or (meta.get("lo_open") and value == lo)):
+        raise ConfigError(f"{key}: {value!r} is out of range; it must be {'>' if meta.get('lo_open') else '>='} {lo}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{key}: {value!r} is out of range; it must be <= {hi}")
+
+
+def _all_keys(cls, prefix="") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        name = f"{prefix}{f.name}"
+        keys.append(name)
+        hints = typing.get_type_hints(cls)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += _all_keys(hints[f.name], name + ".")
+    return keys
+
+
+def _unknown(key: str, cls, prefix: str) -> ConfigError:
+    valid = _all_keys(cls, prefix)
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            raise _unknown(key, cls, f"{prefix}." if prefix else "")
+        value = _coerce(v, hints[k], key)
+        _check_range(value, names[k].metadata, key)
+        kwargs[k] = value
+    return cls(**kwargs)
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for k, v in override.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_override(text: str) -> dict:
+    """``a.b.c=value`` -> {'a': {'b': {'c': value}}}, with value parsed as YAML (numbers, lists, bools)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r} has no key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    node: dict = {}
+    cur = node
+    parts = key.split(".")
+    for p in parts[:-1]:
+        cur[p] = {}
+        cur = cur[p]
+    cur[parts[-1]] = value
+    return node
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load YAML (or defaults), apply overrides, validate; raises ConfigError with one clear line."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{path}: invalid YAML{where}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of config sections")
+    for text in overrides or []:
+        data = _merge(data, parse_override(text))
+    cfg = _build(Config, data)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that a single field's range cannot express."""
+    t = cfg.sampler.num_steps
+    w = cfg.algorithm.window
+    if cfg.algorithm.name in ("mix_grpo", "flow_grpo_fast"):
+        if w.size < 1:
+            raise ConfigError(f"algorithm.window.size: {cfg.algorithm.name} needs a window of at least 1 step")
+        end = t - 1 if w.range_end < 0 else w.range_end
+        if w.size > end - (w.range_start if w.placement != "fixed" else w.start):
+            raise ConfigError(f"algorithm.window.size: a window of {w.size} does not fit before step {end} of "
+                              f"{t}; lower the size or raise sampler.num_steps")
+    if not cfg.rewards:
+        raise ConfigError("rewards: list at least one reward, e.g. rewards=[{name: jpeg_compressibility}]")
+    if len(cfg.train.betas) != 2:
+        raise ConfigError("train.betas: expected two numbers, e.g. [0.9, 0.999]")
+    if cfg.train.kl_beta > 0 and not cfg.train.lora.enabled:
+        raise ConfigError("train.kl_beta: the reference policy is the model with LoRA disabled; "
+                          "enable train.lora.enabled or set train.kl_beta=0")
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,0 +1,27 @@
+"""Policy-gradient losses on per-edge log-probs."""
+
+from __future__ import annotations
+
+import torch
+
+
+def ppo_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                  clip_range: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-edge clipped surrogate ``max(-A r, -A clip(r, 1 - eps, 1 + eps))`` with ``r = exp(logp - logp_old)``.
+
+    All inputs are (E,); returns (loss (E,), ratio (E,)).
+    """
+    ratio = torch.exp(log_prob - old_log_prob)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    return torch.maximum(unclipped, clipped), ratio
+
+
+def gaussian_kl_same_std(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """KL(N(mean, s^2) || N(mean_ref, s^2)) per element averaged over non-batch dims -> (E,).
+
+    ``std`` is the transition's full std (including sqrt(|dt|)); Flow-GRPO's SD3 script omits the dt factor
+    (spec/anchors.md, issue #78), which this does not reproduce.
+    """
+    kl = (mean - mean_ref) ** 2 / (2 * std**2)
+    return kl.mean(dim=tuple(range(1, kl.ndim)))

@@ -1,0 +1,198 @@
+"""Run-directory reports: metrics.jsonl, reward curves, sample grids and multi-run comparisons."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+
+import torch
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def append_metrics(path: Path, row: dict) -> None:
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(row, sort_keys=False) + "\n")
+        fh.flush()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line cut by a crash ends the readable part
+    return rows
+
+
+def truncate_metrics(path: Path, before_iteration: int) -> None:
+    """Keep only rows of iterations < ``before_iteration`` (used on resume)."""
+    rows = [r for r in read_metrics(path) if r.get("iteration", 0) < before_iteration]
+    atomic_write_bytes(Path(path), "".join(json.dumps(r) + "\n" for r in rows).encode())
+
+
+def _savefig(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average over ``window`` points (window 1 = raw)."""
+    out, acc = [], []
+    for v in values:
+        acc.append(v)
+        if len(acc) > window:
+            acc.pop(0)
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def plot_reward_curve(run_dir: Path) -> Path | None:
+    """reward_curve.png: mean reward (+- std band) per iteration, one panel per reward component."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    if not rows:
+        return None
+    keys = [k[len("reward_mean/"):] for k in rows[0] if k.startswith("reward_mean/")]
+    panels = ["total"] + [k for k in keys if k != "total"] if len(keys) > 1 else (keys or ["total"])
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.4), squeeze=False)
+    its = [r["iteration"] for r in rows]
+    for ax, key in zip(axes[0], panels):
+        mean = [r.get(f"reward_mean/{key}", float("nan")) for r in rows]
+        std = [r.get(f"reward_std/{key}", 0.0) for r in rows]
+        ax.plot(its, mean, color="C0", lw=1.2, label="mean")
+        ax.fill_between(its, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], color="C0",
+                        alpha=0.2, label="+-1 std")
+        if len(mean) >= 5:
+            ax.plot(its, smooth(mean, max(3, len(mean) // 10)), color="C3", lw=1.5, label="smoothed")
+        ax.set_title(f"reward: {key}")
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(run_dir.name, fontsize=9)
+    out = run_dir / "reward_curve.png"
+    _savefig(fig, out)
+    return out
+
+
+def save_grid(images: torch.Tensor, nrow: int, path: Path, min_size: int = 64,
+              row_labels: list[str] | None = None, title: str | None = None) -> Path:
+    """images (N, 3, H, W) in [0, 1], row-major, -> PNG grid (nearest-upscaled so tiny images stay visible)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from torchvision.utils import make_grid
+
+    h = images.shape[-1]
+    if h < min_size:
+        images = torch.nn.functional.interpolate(images, scale_factor=min_size // h, mode="nearest")
+    grid = make_grid(images.clamp(0, 1), nrow=nrow, padding=2, pad_value=1.0)
+    rows = (images.shape[0] + nrow - 1) // nrow
+    fig_w = max(3.0, grid.shape[2] / 80) + (2.2 if row_labels else 0)
+    fig, ax = plt.subplots(figsize=(fig_w, max(1.5, grid.shape[1] / 80) + 0.4))
+    ax.imshow(grid.permute(1, 2, 0).numpy(), interpolation="nearest")
+    ax.set_xticks([])
+    if row_labels:
+        step = grid.shape[1] / rows
+        ax.set_yticks([step * (i + 0.5) for i in range(len(row_labels))])
+        ax.set_yticklabels([lbl if len(lbl) < 40 else lbl[:37] + "..." for lbl in row_labels], fontsize=7)
+    else:
+        ax.set_yticks([])
+    if title:
+        ax.set_title(title, fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _savefig(fig, path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------- compare
+def _run_label(run_dir: Path) -> tuple[str, int]:
+    """(label without the seed, seed): runs differing only in train.seed share a label (a seed band)."""
+    import yaml
+
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        return run_dir.name, 0
+    cfg = yaml.safe_load(cfg_path.read_text()) or {}
+    seed = int(cfg.get("train", {}).get("seed", 0))
+    algo = cfg.get("algorithm", {}).get("name", "?")
+    label = cfg.get("log", {}).get("run_name") or run_dir.name
+    base = label.rsplit("-seed", 1)[0] if "-seed" in label else f"{algo}:{label}"
+    return base, seed
+
+
+X_AXES = {"iteration": "iteration", "nfe": "nfe_rollout_cum", "time": "seconds_cum"}
+
+
+def compare_runs(run_dirs: list[Path], out_dir: Path, x_axis: str = "iteration", metric: str = "reward_mean/total",
+                 smoothing: int = 1) -> tuple[Path, Path]:
+    """Plot ``metric`` of several runs against iteration / rollout NFE / wall time; runs that differ only in
+    seed are drawn as one mean line with a min-max band. Writes compare.png and compare.csv."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .errors import FlowRLError
+
+    if x_axis not in X_AXES:
+        raise FlowRLError(f"--x must be one of {', '.join(X_AXES)}")
+    groups: dict[str, list[tuple[int, list[float], list[float]]]] = {}
+    csv_rows = []
+    for rd in run_dirs:
+        rows = read_metrics(Path(rd) / "metrics.jsonl")
+        if not rows:
+            raise FlowRLError(f"{rd}: no metrics.jsonl rows; is this a flowrl run directory?")
+        if metric not in rows[0]:
+            avail = ", ".join(k for k in rows[0] if k.startswith("reward"))
+            raise FlowRLError(f"{rd}: metric {metric!r} not logged (available: {avail})")
+        xs = [r[X_AXES[x_axis]] for r in rows]
+        ys = smooth([r[metric] for r in rows], smoothing)
+        label, seed = _run_label(Path(rd))
+        groups.setdefault(label, []).append((seed, xs, ys))
+        csv_rows += [{"run": str(rd), "label": label, "seed": seed, x_axis: x, metric: y} for x, y in zip(xs, ys)]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, (label, runs) in enumerate(sorted(groups.items())):
+        color = f"C{i % 10}"
+        n = min(len(r[1]) for r in runs)
+        xs = [sum(r[1][j] for r in runs) / len(runs) for j in range(n)]
+        ys = [[r[2][j] for r in runs] for j in range(n)]
+        mean = [sum(v) / len(v) for v in ys]
+        ax.plot(xs, mean, color=color, label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        if len(runs) > 1:
+            ax.fill_between(xs, [min(v) for v in ys], [max(v) for v in ys], color=color, alpha=0.2)
+    ax.set_xlabel({"iteration": "iteration", "nfe": "rollout NFE (cumulative)", "time": "wall time (s)"}[x_axis])
+    ax.set_ylabel(metric + (f" (smoothed {smoothing})" if smoothing > 1 else ""))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = out_dir / "compare.png"
+    _savefig(fig, png)
+    csv_path = out_dir / "compare.csv"
+    tmp = csv_path.with_name(".compare.csv.tmp")
+    with open(tmp, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=["run", "label", "seed", x_axis, metric])
+        writer.writeheader()
+        writer.writerows(csv_rows)
+    os.replace(tmp, csv_path)
+    return png, csv_path

@@ -1,0 +1,414 @@
+"""The GRPO trainer: rollout -> rewards -> advantages -> edge selection -> clipped policy update.
+
+One iteration, with every random draw from a generator seeded by (train.seed, iteration), so a run is
+reproducible on the CPU and ``resume`` continues it exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from . import report
+from .advantages import group_advantages
+from .algorithms import build_plan, select_edges
+from .checkpoint import latest_checkpoint, load_lora_into, load_trainer_state, save_checkpoint
+from .config import Config, save_config
+from .engine import Tree, rollout
+from .errors import ConfigError, FlowRLError
+from .losses import gaussian_kl_same_std, ppo_clip_loss
+from .models import SD3Adapter
+from .prompts import DEFAULT_TINY_PROMPTS, PromptSource
+from .rewards import build_reward_set
+from .samplers import RolloutPlan, StepSpec, make_sigmas
+from .samplers.kernels import step as kernel_step
+from .samplers.schedules import dynamic_shift_mu
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: cuda requested but no CUDA device is available; use device=cpu")
+    return torch.device(name)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def sigmas_for(cfg: Config, adapter, num_steps: int) -> torch.Tensor:
+    s = cfg.sampler
+    mu = None
+    sched_cfg = dict(adapter.pipe.scheduler.config)
+    if s.schedule == "dynamic_shift" or sched_cfg.get("use_dynamic_shifting", False):
+        seq = adapter.image_seq_len(cfg.model.resolution)
+        mu = dynamic_shift_mu(seq, sched_cfg.get("base_image_seq_len", 256), sched_cfg.get("max_image_seq_len", 4096),
+                              sched_cfg.get("base_shift", 0.5), sched_cfg.get("max_shift", 1.15))
+    return make_sigmas(s.schedule, num_steps, shift=s.shift, mu=mu, scheduler_config=sched_cfg)
+
+
+def add_lora(transformer, lora_cfg, default_targets: list[str]) -> None:
+    from peft import LoraConfig
+
+    targets = lora_cfg.targets or default_targets
+    present = {name for name, _ in transformer.named_modules()}
+    if not any(any(n.endswith(t) for n in present) for t in targets):
+        raise ConfigError(f"train.lora.targets: none of {targets} name a module of this transformer")
+    transformer.add_adapter(LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, init_lora_weights="gaussian",
+                                       target_modules=targets, lora_dropout=0.0))
+
+
+@dataclass
+class Unit:
+    """One parent state with the trained edges (children) leaving it."""
+
+    depth: int  # depth of the parent (its edges step sigma_depth -> sigma_{depth+1})
+    parent: int
+    children: list[int]  # indices at depth + 1
+
+
+class Trainer:
+    def __init__(self, cfg: Config, config_name: str = "run", run_dir: str | Path | None = None):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        torch.manual_seed(cfg.train.seed)
+        # --- everything that can fail on bad input happens before the run directory exists
+        self.prompts = PromptSource.from_config(cfg.data, cfg.train.seed, DEFAULT_TINY_PROMPTS
+                                                if cfg.model.pretrained in (None, "", "tiny") else None)
+        self.rewards = build_reward_set(cfg.rewards)
+        resume_dir = None
+        if cfg.resume:
+            resume_dir = self._find_resume(cfg, run_dir)
+            run_dir = resume_dir.parent.parent
+        from accelerate import Accelerator
+
+        self.accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, cpu=self.device.type == "cpu",
+                                       log_with=cfg.log.trackers or None)
+        self.adapter = SD3Adapter.from_config(cfg.model, self.device)
+        self.latent_shape = self.adapter.latent_shape(cfg.model.resolution)
+        transformer = self.adapter.transformer
+        if cfg.train.lora.enabled:
+            transformer.requires_grad_(False)
+            add_lora(transformer, cfg.train.lora, self.adapter.lora_targets)
+        else:
+            transformer.requires_grad_(True)
+        self.params = [p for p in transformer.parameters() if p.requires_grad]
+        for p in self.params:  # trainable weights stay fp32 (mixed precision autocasts the forward)
+            p.data = p.data.float()
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                                           weight_decay=cfg.train.weight_decay, eps=cfg.train.adam_eps,
+                                           fused=self.device.type == "cuda")
+        self.adapter.transformer, self.optimizer = self.accelerator.prepare(transformer, self.optimizer)
+        self.ema = None
+        if cfg.train.ema.enabled:
+            from diffusers.training_utils import EMAModel
+
+            self.ema = EMAModel(self.params, decay=cfg.train.ema.decay)  # decay min((1+n)/(10+n), d) = Flow-GRPO's
+        self.sigmas = sigmas_for(cfg, self.adapter, cfg.sampler.num_steps)
+        self.negative = None
+        if cfg.sampler.guidance_scale > 1.0:
+            self.negative = self.adapter.encode_prompts([cfg.sampler.negative_prompt])
+        self.start_iteration = 0
+        if resume_dir is not None:
+            self._load(resume_dir)
+        # --- the run directory
+        if run_dir is None:
+            name = cfg.log.run_name or f"{config_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            run_dir = Path(cfg.log.output_dir) / name
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.run_dir / "config.yaml")
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        if resume_dir is not None:
+            report.truncate_metrics(self.metrics_path, self.start_iteration)
+        elif self.metrics_path.exists():
+            self.metrics_path.unlink()
+        if cfg.log.trackers:
+            self.accelerator.init_trackers(self.run_dir.name)
+        self._cumulative = {"nfe_rollout_cum": 0, "seconds_cum": 0.0}
+        rows = report.read_metrics(self.metrics_path)
+        if rows:
+            self._cumulative = {k: rows[-1].get(k, 0) for k in self._cumulative}
+
+    # ------------------------------------------------------------------------------------------ resume
+    @staticmethod
+    def _find_resume(cfg: Config, run_dir) -> Path:
+        if cfg.resume == "latest":
+            base = Path(run_dir) if run_dir else (Path(cfg.log.output_dir) / cfg.log.run_name if cfg.log.run_name else None)
+            if base is None:
+                raise ConfigError("resume=latest needs log.run_name (the run to continue)")
+            ckpt = latest_checkpoint(base)
+            if ckpt is None:
+                raise ConfigError(f"resume=latest: no checkpoint under {base}/checkpoints")
+            return ckpt
+        path = Path(cfg.resume)
+        if (path / "checkpoints").is_dir():
+            ckpt = latest_checkpoint(path)
+            if ckpt is None:
+                raise ConfigError(f"resume: no checkpoint under {path}/checkpoints")
+            return ckpt
+        if not (path / "state.json").is_file():
+            raise ConfigError(f"resume: {path} is neither a run directory nor a checkpoint folder")
+        return path
+
+    def _load(self, ckpt: Path) -> None:
+        if self.cfg.train.lora.enabled:
+            load_lora_into(self.accelerator.unwrap_model(self.adapter.transformer), ckpt)
+        else:
+            from safetensors.torch import load_file
+
+            files = sorted((ckpt / "transformer").glob("*.safetensors"))
+            if not files:
+                raise FlowRLError(f"{ckpt}: no transformer weights to resume full fine-tuning from")
+            sd = {}
+            for f in files:
+                sd.update(load_file(str(f)))
+            self.accelerator.unwrap_model(self.adapter.transformer).load_state_dict(sd)
+        state = load_trainer_state(ckpt)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.ema is not None and "ema" in state:
+            self.ema.load_state_dict(state["ema"])
+        self.start_iteration = int(state["iteration"]) + 1
+
+    # ------------------------------------------------------------------------------------------ loop
+    def train(self) -> Path:
+        cfg = self.cfg
+        bar = tqdm(range(self.start_iteration, cfg.train.iterations), desc="train", disable=not cfg.log.progress,
+                   initial=self.start_iteration, total=cfg.train.iterations)
+        if self.start_iteration == 0:
+            self.sample_grid(0)
+        for it in bar:
+            row = self.iteration(it)
+            bar.set_postfix(reward=f"{row['reward_mean/total']:.4f}", kl=f"{row['approx_kl']:.1e}")
+            last = it == cfg.train.iterations - 1
+            if last or (cfg.log.sample_every and (it + 1) % cfg.log.sample_every == 0):
+                self.sample_grid(it + 1)
+            if last or (cfg.log.save_every and (it + 1) % cfg.log.save_every == 0):
+                self.save(it)
+        report.plot_reward_curve(self.run_dir)
+        if cfg.log.trackers:
+            self.accelerator.end_training()
+        return self.run_dir
+
+    def iteration(self, it: int) -> dict:
+        cfg = self.cfg
+        gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + it)
+        plan = build_plan(cfg, it, random.Random(cfg.train.seed * 1_000_003 + it))
+        prompts, metadata = self.prompts.batch(it, cfg.train.prompts_per_iter)
+        cond = self.adapter.encode_prompts(prompts)
+        row: dict = {"iteration": it}
+        t0 = time.perf_counter()
+        self.adapter.transformer.eval()
+        tree = rollout(self.adapter, cond, plan, self.sigmas, self.latent_shape, kernel=cfg.sampler.kernel,
+                       noise_level=cfg.sampler.noise_level, generator=gen, max_batch=cfg.algorithm.max_batch,
+                       guidance_scale=cfg.sampler.guidance_scale, negative=self.negative,
+                       log_prob_reduce=cfg.train.log_prob_reduce)
+        t1 = time.perf_counter()
+        images = self.adapter.decode(tree.leaves)
+        leaf_group = tree.leaf_group
+        scores = self.rewards(images, [prompts[g] for g in leaf_group.tolist()], [metadata[g] for g in leaf_group.tolist()])
+        t2 = time.perf_counter()
+        adv_leaf, adv_stats = group_advantages(scores.total, leaf_group, cfg.advantage)
+        if adv_stats["reward_nan_count"] == scores.total.numel():
+            raise FlowRLError(f"iteration {it}: every reward was NaN/inf; check the reward function")
+        node_adv = tree.node_values_from_leaves(adv_leaf)
+        masks = select_edges(cfg, tree, gen)
+        train_stats = self.update(tree, cond, node_adv, masks, gen)
+        t3 = time.perf_counter()
+        for name, values in [("total", scores.total)] + list(scores.components.items()):
+            ok = values[torch.isfinite(values)]
+            row[f"reward_mean/{name}"] = float(ok.mean()) if ok.numel() else float("nan")
+            row[f"reward_std/{name}"] = float(ok.std(correction=0)) if ok.numel() else float("nan")
+        self._cumulative["nfe_rollout_cum"] += tree.nfe
+        self._cumulative["seconds_cum"] += t3 - t0
+        row.update(adv_stats)
+        row.update(train_stats)
+        row.update({
+            "nfe_rollout": tree.nfe, "transformer_calls_rollout": tree.transformer_calls,
+            "leaves": int(tree.leaves.shape[0]), **{f"plan/{k}": v for k, v in plan.accounting().items()},
+            **{f"plan/{k}": v for k, v in plan.notes.items()},
+            "seconds_rollout": t1 - t0, "seconds_reward": t2 - t1, "seconds_train": t3 - t2,
+            "peak_memory_mb": peak_memory_mb(self.device), **self._cumulative,
+        })
+        report.append_metrics(self.metrics_path, row)
+        if cfg.log.trackers:
+            self.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=it)
+        if (it + 1) % 5 == 0 or it == 0:
+            report.plot_reward_curve(self.run_dir)
+        return row
+
+    # ------------------------------------------------------------------------------------------ update
+    def _units(self, tree: Tree, node_adv, masks) -> list[Unit]:
+        """Group trained edges by parent state: each distinct parent is evaluated once for all its edges.
+        Edges with zero advantage carry no policy gradient and are skipped unless a KL term needs them."""
+        keep_zero = self.cfg.train.kl_beta > 0
+        units = []
+        for d in range(1, tree.num_steps + 1):
+            sel = masks[d]
+            if not keep_zero:
+                sel = sel & (node_adv[d] != 0)
+            children = torch.nonzero(sel).flatten()
+            if children.numel() == 0:
+                continue
+            by_parent: dict[int, list[int]] = {}
+            for c, p in zip(children.tolist(), tree.parent[d][children].tolist()):
+                by_parent.setdefault(p, []).append(c)
+            units += [Unit(d - 1, p, cs) for p, cs in by_parent.items()]
+        return units
+
+    def _edge_terms(self, tree: Tree, units: list[Unit], cond, node_adv):
+        """Forward one micro-batch of parent states; returns per-edge (log_prob, old, adv, kl, depth)."""
+        cfg = self.cfg
+        dev = self.device
+        x = torch.stack([tree.latents[u.depth][u.parent] for u in units]).to(dev)  # (U, C, H, W)
+        sig = torch.tensor([float(tree.sigmas[u.depth]) for u in units], device=dev)
+        rows = torch.tensor([int(tree.group[u.depth][u.parent]) for u in units], device=dev)
+        g = cfg.sampler.guidance_scale if cfg.train.cfg else 1.0
+        with self.accelerator.autocast():
+            v = self.adapter.velocity(x, sig, cond.index(rows), g, self.negative)  # (U, C, H, W)
+        v_ref = None
+        if cfg.train.kl_beta > 0:
+            with torch.no_grad(), self.adapter.reference(), self.accelerator.autocast():
+                v_ref = self.adapter.velocity(x, sig, cond.index(rows), g, self.negative)
+        # expand parents to their child edges, then apply the kernel per step index (its noise level)
+        pos = torch.tensor([i for i, u in enumerate(units) for _ in u.children], device=dev)
+        depth = torch.tensor([u.depth for u in units for _ in u.children])
+        child = torch.tensor([c for u in units for c in u.children])
+        logp = torch.empty(len(child), device=dev)
+        kl = torch.zeros(len(child), device=dev)
+        sigma_at_one = float(tree.sigmas[1])
+        for d in depth.unique().tolist():
+            m = (depth == d).nonzero().flatten()
+            spec = tree.plan.steps[d]
+            level = cfg.sampler.noise_level if spec.noise_level is None else spec.noise_level
+            prev = tree.latents[d + 1][child[m]].to(dev)
+            s, s_next = float(tree.sigmas[d]), float(tree.sigmas[d + 1])
+            out = kernel_step(cfg.sampler.kernel, x[pos[m]], v[pos[m]], s, s_next, noise_level=level,
+                              sigma_at_one=sigma_at_one, prev_sample=prev, reduce=cfg.train.log_prob_reduce)
+            logp[m.to(dev)] = out.log_prob
+            if v_ref is not None:
+                ref = kernel_step(cfg.sampler.kernel, x[pos[m]], v_ref[pos[m]], s, s_next, noise_level=level,
+                                  sigma_at_one=sigma_at_one, prev_sample=prev)
+                kl[m.to(dev)] = gaussian_kl_same_std(out.mean, ref.mean, out.std)
+        old = torch.stack([tree.log_prob[d + 1][c] for d, c in zip(depth.tolist(), child.tolist())]).to(dev)
+        adv = torch.stack([node_adv[d + 1][c] for d, c in zip(depth.tolist(), child.tolist())]).to(dev)
+        return logp, old, adv.clamp(-cfg.advantage.clip, cfg.advantage.clip), kl, depth
+
+    def update(self, tree: Tree, cond, node_adv, masks, gen: torch.Generator) -> dict:
+        cfg = self.cfg
+        model = self.adapter.transformer
+        model.train()
+        units = self._units(tree, node_adv, masks)
+        stats = {"trained_edges": sum(len(u.children) for u in units), "nfe_train": 0, "optimizer_steps": 0,
+                 "clipfrac": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0, "ratio_std": 0.0, "policy_loss": 0.0,
+                 "kl_loss": 0.0, "grad_norm": 0.0, "ratio_max_abs_dev_first_update": 0.0}
+        if not units:
+            return stats
+        ratios, clipped, kls, pls, approx, depths, grad_norms = [], [], [], [], [], [], []
+        first = True
+        for _ in range(cfg.train.inner_epochs):
+            order = torch.randperm(len(units), generator=gen).tolist()
+            n_mb = min(cfg.train.num_minibatches, len(order))
+            for mb in range(n_mb):
+                mb_units = [units[i] for i in order[mb::n_mb]]
+                n_edges = sum(len(u.children) for u in mb_units)
+                self.optimizer.zero_grad(set_to_none=True)
+                mb_ratios = []
+                for start in range(0, len(mb_units), cfg.train.micro_batch):
+                    chunk = mb_units[start:start + cfg.train.micro_batch]
+                    logp, old, adv, kl, depth = self._edge_terms(tree, chunk, cond, node_adv)
+                    loss_e, ratio = ppo_clip_loss(logp, old, adv, cfg.train.clip_range)
+                    loss = (loss_e + cfg.train.kl_beta * kl).sum() / n_edges
+                    self.accelerator.backward(loss)
+                    stats["nfe_train"] += len(chunk)
+                    mb_ratios.append(ratio.detach())
+                    clipped.append(((ratio.detach() - 1).abs() > cfg.train.clip_range).float())
+                    kls.append(kl.detach())
+                    pls.append(loss_e.detach())
+                    approx.append(0.5 * (logp.detach() - old) ** 2)
+                    depths.append(depth)
+                if first:
+                    stats["ratio_max_abs_dev_first_update"] = float((torch.cat(mb_ratios) - 1).abs().max())
+                    first = False
+                ratios += mb_ratios
+                gn = self.accelerator.clip_grad_norm_(self.params, cfg.train.max_grad_norm)
+                grad_norms.append(float(gn))
+                self.optimizer.step()
+                stats["optimizer_steps"] += 1
+                if self.ema is not None and stats["optimizer_steps"] % cfg.train.ema.update_every == 0:
+                    self.ema.step(self.params)
+        r = torch.cat(ratios).cpu()
+        d = torch.cat(depths)
+        stats.update({
+            "clipfrac": float(torch.cat(clipped).mean()), "approx_kl": float(torch.cat(approx).mean()),
+            "ratio_mean": float(r.mean()), "ratio_std": float(r.std(correction=0)),
+            "policy_loss": float(torch.cat(pls).mean()), "kl_loss": float(torch.cat(kls).mean()),
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+        })
+        for step_idx in d.unique().tolist():
+            stats[f"ratio_mean/step{step_idx}"] = float(r[d == step_idx].mean())
+        if not math.isfinite(stats["grad_norm"]):
+            raise FlowRLError("non-finite gradient norm; lower train.lr or use fp32 (train.mixed_precision=no)")
+        return stats
+
+    # ------------------------------------------------------------------------------------------ outputs
+    def sample_grid(self, it: int) -> Path:
+        cfg = self.cfg
+        prompts = cfg.data.sample_prompts or self.prompts.prompts[:4]
+        seeds = cfg.data.sample_seeds
+        with self.ema_weights():
+            images = sample_images(self.adapter, prompts, seeds, self.sigmas_eval(), self.latent_shape,
+                                   cfg.sampler.guidance_scale, self.negative, cfg.algorithm.max_batch)
+        return report.save_grid(images, len(seeds), self.run_dir / "samples" / f"iter_{it:05d}.png", row_labels=prompts,
+                                title=f"iteration {it} (ODE, {cfg.sampler.eval_num_steps} steps; seeds {seeds})")
+
+    def sigmas_eval(self) -> torch.Tensor:
+        return sigmas_for(self.cfg, self.adapter, self.cfg.sampler.eval_num_steps)
+
+    def ema_weights(self):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def swap():
+            if self.ema is None:
+                yield
+                return
+            self.ema.store(self.params)
+            self.ema.copy_to(self.params)
+            try:
+                yield
+            finally:
+                self.ema.restore(self.params)
+
+        return swap()
+
+    def save(self, it: int) -> Path:
+        model = self.accelerator.unwrap_model(self.adapter.transformer)
+        return save_checkpoint(self.run_dir / "checkpoints" / f"iter_{it:05d}", model, self.optimizer, it,
+                               lora=self.cfg.train.lora.enabled, ema=self.ema, keep=self.cfg.log.keep_checkpoints)
+
+
+@torch.no_grad()
+def sample_images(adapter, prompts: list[str], seeds: list[int], sigmas: torch.Tensor, latent_shape,
+                  guidance_scale: float = 1.0, negative=None, max_batch: int = 64) -> torch.Tensor:
+    """ODE samples for every (prompt, seed), row-major by prompt: (P * S, 3, H, W) in [0, 1]."""
+    adapter.transformer.eval()
+    noise = torch.stack([torch.randn(latent_shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
+    noise = noise.repeat(len(prompts), 1, 1, 1)  # (P*S, C, H, W), prompt-major
+    cond = adapter.encode_prompts([p for p in prompts for _ in seeds])
+    plan = RolloutPlan([StepSpec(sde=False) for _ in range(len(sigmas) - 1)], roots_per_prompt=1)
+    tree = rollout(adapter, cond, plan, sigmas, latent_shape, kernel="ode", noise_level=0.0,
+                   generator=torch.Generator(), max_batch=max_batch, guidance_scale=guidance_scale,
+                   negative=negative, initial_noise=noise)
+    return adapter.decode(tree.leaves).cpu()

@@ -1,0 +1,102 @@
+"""Reward registry: name -> factory, weighted sums, and user rewards given as ``module:function``."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from flowrl.errors import RewardError
+
+REWARDS: dict[str, Callable[..., Callable]] = {}
+
+
+def register_reward(name: str):
+    """Decorator: ``@register_reward("my_reward")`` on a factory (class or function returning a scorer)."""
+
+    def wrap(factory):
+        REWARDS[name] = factory
+        return factory
+
+    return wrap
+
+
+def _load_user_function(spec: str) -> Callable:
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RewardError(f"reward {spec!r}: cannot import module {module_name!r} ({exc})") from exc
+    if not hasattr(module, attr):
+        raise RewardError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
+def build_reward(name: str, **args) -> Callable:
+    """A scorer by registered name, or ``module:function`` (called directly, or as a factory if it is a class)."""
+    if ":" in name:
+        obj = _load_user_function(name)
+        return obj(**args) if inspect.isclass(obj) else obj
+    if name not in REWARDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(REWARDS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise RewardError(f"unknown reward {name!r}{hint} (registered: {', '.join(sorted(REWARDS))}; "
+                          "or give module:function)")
+    try:
+        return REWARDS[name](**args)
+    except TypeError as exc:
+        raise RewardError(f"reward {name!r}: bad arguments {args} ({exc})") from exc
+
+
+@dataclass
+class RewardScores:
+    total: torch.Tensor  # (N,) weighted sum, NaN where any component was not finite
+    components: dict[str, torch.Tensor]  # name -> (N,) raw scores
+    invalid: torch.Tensor  # (N,) bool: a component returned NaN/inf
+
+
+class RewardSet:
+    """A weighted sum of rewards; every component is kept for logging."""
+
+    def __init__(self, items: list[tuple[str, float, Callable]]):
+        if not items:
+            raise RewardError("no rewards configured")
+        self.items = items
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, _, _ in self.items]
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> RewardScores:
+        n = images.shape[0]
+        metadata = metadata if metadata is not None else [{} for _ in range(n)]
+        total = torch.zeros(n, dtype=torch.float64)
+        invalid = torch.zeros(n, dtype=torch.bool)
+        components = {}
+        for name, weight, fn in self.items:
+            raw = fn(images, prompts, metadata)
+            scores = torch.as_tensor(raw, dtype=torch.float64).detach().cpu()
+            if scores.shape != (n,):
+                raise RewardError(f"reward {name!r} returned shape {tuple(scores.shape)}; it must return one score "
+                                  f"per image, shape ({n},)")
+            bad = ~torch.isfinite(scores)
+            invalid |= bad
+            components[name] = scores
+            total += weight * torch.where(bad, torch.zeros_like(scores), scores)
+        total[invalid] = math.nan
+        return RewardScores(total.float(), {k: v.float() for k, v in components.items()}, invalid)
+
+
+def build_reward_set(specs) -> RewardSet:
+    """From config ``RewardSpec`` items (name, weight, args)."""
+    items = []
+    for spec in specs:
+        label = spec.name if ":" not in spec.name else spec.name.split(":")[-1]
+        items.append((label, float(spec.weight), build_reward(spec.name, **dict(spec.args))))
+    return RewardSet(items)

@@ -1,0 +1,170 @@
+"""Step kernels for rectified-flow sampling, as pure functions of tensors.
+
+Conventions (see design.md): ``x = (1 - sigma) x0 + sigma eps``, ``v = eps - x0``, sampling runs from
+sigma = 1 (noise) to sigma = 0 (data), ``dt = sigma_next - sigma < 0``.
+
+Every kernel computes in fp32 and returns a :class:`StepOutput` with
+- ``sample``: the next latent (drawn with ``noise`` or equal to the given ``prev_sample``),
+- ``mean`` and ``std``: the Gaussian transition ``N(mean, std^2)``; ``std`` is the *full* per-step std,
+  i.e. it already includes ``sqrt(|dt|)`` where the SDE has one,
+- ``log_prob``: log N(sample; mean, std^2) averaged over all non-batch elements (the anchors' convention,
+  which sets the tiny PPO clip ranges), shape (B,). ODE steps have no density and return zeros.
+
+``sigma`` and ``sigma_next`` may be Python floats or per-sample tensors of shape (B,).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+@dataclass
+class StepOutput:
+    sample: torch.Tensor  # (B, C, H, W) fp32
+    mean: torch.Tensor  # (B, C, H, W) fp32
+    std: torch.Tensor  # broadcastable to sample, fp32; 0 for ODE steps
+    log_prob: torch.Tensor  # (B,) fp32
+
+
+def _as_batch(value, x: torch.Tensor) -> torch.Tensor:
+    """A scalar or (B,) tensor reshaped to (B, 1, 1, ...) in fp32 on x's device."""
+    t = torch.as_tensor(value, dtype=torch.float32, device=x.device)
+    if t.ndim == 0:
+        t = t.expand(x.shape[0])
+    return t.reshape(-1, *([1] * (x.ndim - 1)))
+
+
+def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
+    """Gaussian log-density of ``sample`` per element, reduced over non-batch dims -> (B,)."""
+    std = std.expand_as(mean) if std.shape != mean.shape else std
+    lp = -((sample.detach() - mean) ** 2) / (2 * std**2) - torch.log(std) - LOG_SQRT_2PI
+    dims = tuple(range(1, lp.ndim))
+    return lp.mean(dim=dims) if reduce == "mean" else lp.sum(dim=dims)
+
+
+def _finish(mean, std, noise, prev_sample, reduce="mean") -> StepOutput:
+    if prev_sample is None:
+        if noise is None:
+            raise ValueError("an SDE step needs either `noise` (to sample) or `prev_sample` (to score)")
+        sample = mean + std * noise.float()
+    else:
+        sample = prev_sample.float()
+    return StepOutput(sample, mean, std, gaussian_log_prob(sample, mean, std, reduce))
+
+
+def ode_step(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, **_) -> StepOutput:
+    """Deterministic Euler step ``x + dt v`` (the probability-flow ODE)."""
+    x, v = x.float(), v.float()
+    dt = _as_batch(sigma_next, x) - _as_batch(sigma, x)
+    mean = x + dt * v
+    zero = torch.zeros_like(dt)
+    return StepOutput(mean, mean, zero, torch.zeros(x.shape[0], device=x.device))
+
+
+def flow_grpo_sde_step(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    sigma,
+    sigma_next,
+    noise_level: float = 0.7,
+    sigma_at_one=None,
+    noise: torch.Tensor | None = None,
+    prev_sample: torch.Tensor | None = None,
+    reduce: str = "mean",
+) -> StepOutput:
+    """Flow-GRPO SDE (Euler-Maruyama of the marginal-preserving SDE with g = a sqrt(sigma / (1 - sigma))).
+
+    ``sigma_at_one`` replaces sigma inside sqrt(sigma / (1 - sigma)) when sigma == 1 (the anchors use
+    ``sigmas[1]``), avoiding a division by zero at the first step.
+    """
+    x, v = x.float(), v.float()
+    s = _as_batch(sigma, x)
+    s_next = _as_batch(sigma_next, x)
+    dt = s_next - s
+    s_noise = s
+    if sigma_at_one is not None:
+        s_noise = torch.where(s >= 1.0, _as_batch(sigma_at_one, x), s)
+    std_dev = noise_level * torch.sqrt(s_noise / (1 - s_noise))
+    mean = x * (1 + std_dev**2 / (2 * s) * dt) + v * (1 + std_dev**2 * (1 - s) / (2 * s)) * dt
+    std = std_dev * torch.sqrt(-dt)
+    return _finish(mean, std, noise, prev_sample, reduce)
+
+
+def dance_sde_step(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    sigma,
+    sigma_next,
+    eta: float = 0.3,
+    noise: torch.Tensor | None = None,
+    prev_sample: torch.Tensor | None = None,
+    reduce: str = "mean",
+    **_,
+) -> StepOutput:
+    """DanceGRPO SDE: the same drift as Flow-GRPO's with a constant diffusion coefficient eta.
+
+    mean = x + dt [v + eta^2 / (2 sigma) (x + (1 - sigma) v)],  std = eta sqrt(sigma - sigma_next).
+    """
+    x, v = x.float(), v.float()
+    s = _as_batch(sigma, x)
+    dt = _as_batch(sigma_next, x) - s
+    score = -(x + (1 - s) * v) / s
+    mean = x + dt * v - 0.5 * eta**2 * score * dt
+    std = (eta * torch.sqrt(-dt)).clamp_min(1e-8)
+    return _finish(mean, std, noise, prev_sample, reduce)
+
+
+def cps_step(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    sigma,
+    sigma_next,
+    noise_level: float = 0.8,
+    noise: torch.Tensor | None = None,
+    prev_sample: torch.Tensor | None = None,
+    reduce: str = "mean",
+    published_log_prob: bool = False,
+    **_,
+) -> StepOutput:
+    """Coefficients-preserving sampling (arXiv 2509.05952).
+
+    std = sigma_next sin(a pi / 2) (absolute, no sqrt(dt));
+    mean = (1 - sigma_next) x0_hat + sigma_next cos(a pi / 2) x1_hat.
+    The log-prob is the true Gaussian one by default. ``published_log_prob=True`` returns the paper's and
+    Flow-GRPO's unnormalised ``-(x' - mean)^2`` (mean over elements), whose ratio lives on another scale.
+    """
+    x, v = x.float(), v.float()
+    s = _as_batch(sigma, x)
+    s_next = _as_batch(sigma_next, x)
+    x0_hat = x - s * v
+    x1_hat = x + (1 - s) * v
+    std = (s_next * math.sin(noise_level * math.pi / 2)).clamp_min(1e-8)
+    mean = x0_hat * (1 - s_next) + x1_hat * s_next * math.cos(noise_level * math.pi / 2)
+    out = _finish(mean, std, noise, prev_sample, reduce)
+    if published_log_prob:
+        sq = -((out.sample.detach() - mean) ** 2)
+        dims = tuple(range(1, sq.ndim))
+        out.log_prob = sq.mean(dim=dims) if reduce == "mean" else sq.sum(dim=dims)
+    return out
+
+
+KERNELS = {"ode": ode_step, "flow_grpo": flow_grpo_sde_step, "dance": dance_sde_step, "cps": cps_step}
+
+
+def step(kind: str, x, v, sigma, sigma_next, *, noise_level: float, sigma_at_one=None, noise=None,
+         prev_sample=None, reduce: str = "mean") -> StepOutput:
+    """Dispatch one transition by kernel name; ``noise_level`` is a for flow_grpo/cps and eta for dance."""
+    if kind == "ode":
+        return ode_step(x, v, sigma, sigma_next)
+    if kind == "flow_grpo":
+        return flow_grpo_sde_step(x, v, sigma, sigma_next, noise_level, sigma_at_one, noise, prev_sample, reduce)
+    if kind == "dance":
+        return dance_sde_step(x, v, sigma, sigma_next, noise_level, noise, prev_sample, reduce)
+    if kind == "cps":
+        return cps_step(x, v, sigma, sigma_next, noise_level, noise, prev_sample, reduce)
+    raise ValueError(f"unknown step kernel {kind!r}; choose one of {sorted(KERNELS)}")
