@@ -37,7 +37,11 @@ def save_checkpoint(ckpt_dir: Path, transformer, optimizer, iteration: int, lora
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     if lora:
-        StableDiffusion3Pipeline.save_lora_weights(str(tmp), transformer_lora_layers=lora_state_dict(transformer))
+        # the adapter metadata (rank, alpha, targets) lets diffusers rebuild the same scale alpha / r
+        peft_cfg = transformer.peft_config["default"].to_dict()
+        meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in peft_cfg.items()}
+        StableDiffusion3Pipeline.save_lora_weights(str(tmp), transformer_lora_layers=lora_state_dict(transformer),
+                                                   transformer_lora_adapter_metadata=meta)
     else:
         transformer.save_pretrained(str(tmp / "transformer"), safe_serialization=True)
     state = {"optimizer": optimizer.state_dict(), "iteration": iteration}

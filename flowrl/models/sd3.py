@@ -155,14 +155,14 @@ class SD3Adapter:
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         """Embeddings for each prompt, computed once per distinct string and cached."""
-        missing = sorted({p for p in prompts if p not in self._cache})
-        if missing:
+        # One prompt per call: batched matmuls can round differently with batch composition, and a prompt's
+        # embedding must not depend on which other prompts happened to be encoded with it (exact resume).
+        for p in sorted({p for p in prompts if p not in self._cache}):
             embeds, _, pooled, _ = self.pipe.encode_prompt(
-                prompt=missing, prompt_2=missing, prompt_3=missing, device=self.device,
+                prompt=[p], prompt_2=[p], prompt_3=[p], device=self.device,
                 do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length,
             )
-            for i, p in enumerate(missing):
-                self._cache[p] = (embeds[i].float(), pooled[i].float())
+            self._cache[p] = (embeds[0].float(), pooled[0].float())
         return PromptEmbeds(torch.stack([self._cache[p][0] for p in prompts]),
                             torch.stack([self._cache[p][1] for p in prompts]))
 
