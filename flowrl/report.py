@@ -72,8 +72,8 @@ def plot_reward_curve(run_dir: Path) -> Path | None:
     rows = read_metrics(run_dir / "metrics.jsonl")
     if not rows:
         return None
-    keys = [k[len("reward_mean/"):] for k in rows[0] if k.startswith("reward_mean/")]
-    panels = ["total"] + [k for k in keys if k != "total"] if len(keys) > 1 else (keys or ["total"])
+    components = [k[len("reward_mean/"):] for k in rows[0] if k.startswith("reward_mean/") and k != "reward_mean/total"]
+    panels = ["total"] + components if len(components) > 1 else ["total"]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.4), squeeze=False)
     its = [r["iteration"] for r in rows]
     for ax, key in zip(axes[0], panels):

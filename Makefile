@@ -1,0 +1,31 @@
+# flowrl: `make demo` runs the main job, `make test` the tests; both create .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.flowrl-installed
+
+.PHONY: demo test test-slow bench setup clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/flowrl train configs/tiny_default.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+bench: $(STAMP)
+	$(VENV)/bin/flowrl bench configs/tiny_flow_grpo.yaml
+
+clean:
+	rm -rf runs compare .pytest_cache

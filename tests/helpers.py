@@ -1,0 +1,17 @@
+"""User-style reward functions referenced as ``tests.helpers:function`` in tests."""
+
+import torch
+
+
+def wrong_shape(images, prompts, metadata):
+    return torch.zeros(images.shape[0], 2)
+
+
+def half_nan(images, prompts, metadata):
+    out = torch.ones(images.shape[0])
+    out[::2] = float("nan")
+    return out
+
+
+def brightness(images, prompts, metadata):
+    return images.mean(dim=(1, 2, 3))

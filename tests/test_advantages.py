@@ -1,0 +1,56 @@
+import math
+
+import pytest
+import torch
+
+from flowrl.advantages import group_advantages
+from flowrl.config import AdvantageConfig
+from flowrl.engine import Tree
+from flowrl.samplers import RolloutPlan, StepSpec
+
+
+def test_group_zscore_by_hand():
+    r = torch.tensor([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])
+    g = torch.tensor([0, 0, 0, 1, 1, 1])
+    adv, stats = group_advantages(r, g, AdvantageConfig(eps=0.0))
+    s = math.sqrt(2 / 3)  # biased std of 1, 2, 3
+    assert adv.tolist() == pytest.approx([-1 / s, 0.0, 1 / s, 0.0, 0.0, 0.0], rel=1e-6)
+    assert stats["zero_std_ratio"] == 0.5 and stats["zero_std_groups"] == 1
+
+
+def test_unbiased_global_std_and_clip():
+    r = torch.tensor([0.0, 10.0, 1.0, 1.0 + 1e-3])
+    g = torch.tensor([0, 0, 1, 1])
+    adv, _ = group_advantages(r, g, AdvantageConfig(std="global", ddof=1, eps=0.0, clip=5.0))
+    gstd = torch.tensor([0.0, 10.0, 1.0, 1.001]).double().std().item()
+    assert adv[0].item() == pytest.approx(-5 / gstd, rel=1e-5)
+    assert adv[2].item() == pytest.approx(-0.0005 / gstd, rel=1e-4)
+    adv, _ = group_advantages(torch.tensor([0.0, 100.0, 0.0, 0.0]), torch.tensor([0, 0, 0, 0]),
+                              AdvantageConfig(eps=0.0, clip=1.5))
+    assert adv.max().item() == 1.5
+
+
+def test_nan_rewards_are_masked_and_counted():
+    r = torch.tensor([1.0, float("nan"), 3.0, float("inf")])
+    adv, stats = group_advantages(r, torch.tensor([0, 0, 0, 0]), AdvantageConfig(eps=0.0))
+    assert torch.isfinite(adv).all()
+    assert adv[1] == 0 and adv[3] == 0
+    assert adv[0].item() == pytest.approx(-1.0) and adv[2].item() == pytest.approx(1.0)
+    assert stats["reward_nan_count"] == 2
+
+
+def test_all_equal_group_gives_zero_not_nan():
+    adv, stats = group_advantages(torch.full((4,), 0.7), torch.zeros(4, dtype=torch.long), AdvantageConfig(eps=0.0))
+    assert adv.tolist() == [0.0] * 4 and stats["zero_std_ratio"] == 1.0
+
+
+def test_edge_values_are_mean_of_descendant_leaves():
+    # root -> 2 children -> each 2 leaves: edge into a depth-1 node gets the mean of its two leaves
+    plan = RolloutPlan([StepSpec(branch=2), StepSpec(branch=2)], roots_per_prompt=1)
+    z = torch.zeros(1, 1, 1, 1)
+    tree = Tree(torch.tensor([1.0, 0.5, 0.0]), [z, z.repeat(2, 1, 1, 1), z.repeat(4, 1, 1, 1)],
+                [torch.zeros(1, dtype=torch.long)] * 3, [torch.tensor([-1]), torch.tensor([0, 0]), torch.tensor([0, 0, 1, 1])],
+                [torch.zeros(1)] * 3, [torch.zeros(1)] * 3, plan)
+    values = tree.node_values_from_leaves(torch.tensor([1.0, 3.0, -2.0, 0.0]))
+    assert values[1].tolist() == [2.0, -1.0]
+    assert values[0].tolist() == [0.5]

@@ -1,0 +1,32 @@
+"""Every preset loads, starts with the command that runs it, and its plan has the documented shape."""
+
+from pathlib import Path
+
+import pytest
+
+from flowrl.algorithms import build_plan
+from flowrl.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted(ROOT.glob("configs/*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_preset_loads_and_names_its_command(path):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# flowrl train configs/" + path.name), first
+    cfg = load_config(path)
+    plan = build_plan(cfg, 0)
+    assert plan.leaves_per_prompt == cfg.algorithm.group_size
+    assert any(s.trained for s in plan.steps)
+
+
+def test_preset_accounting():
+    fg = build_plan(load_config(ROOT / "configs/tiny_flow_grpo.yaml"), 0)
+    assert fg.accounting() == {"leaves_per_prompt": 8, "nfe_rollout_per_leaf": 10.0, "edges_per_leaf": 10.0,
+                               "trained_edges_per_leaf": 9.0}
+    dance = build_plan(load_config(ROOT / "configs/tiny_dance_grpo.yaml"), 0)
+    assert dance.accounting()["nfe_rollout_per_leaf"] == (1 + 8 * 9) / 8
+    mix = build_plan(load_config(ROOT / "configs/tiny_mix_grpo.yaml"), 0)
+    assert mix.accounting()["trained_edges_per_leaf"] == 3.0
+    assert mix.accounting()["nfe_rollout_per_leaf"] == 1 / 8 + 9  # root once, then 8 nodes x 9 depths
