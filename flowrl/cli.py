@@ -105,6 +105,14 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_pretrain_tiny(args) -> int:
+    from .pretrain import pretrain_tiny
+
+    pretrain_tiny(args.work_dir, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
+                  save_every=args.save_every, grid_every=args.grid_every, export_dir=args.export_dir)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowrl", description="GRPO fine-tuning of flow-matching models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -133,6 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("overrides", nargs="*")
     b.add_argument("--repeats", type=int, default=1)
     b.set_defaults(func=cmd_bench)
+    pt = sub.add_parser("pretrain-tiny", help="pretrain the embedded tiny model on the shapes domain (CPU, resumable)")
+    pt.add_argument("--work-dir", default="runs/pretrain-tiny", help="state, grids; rerun to resume")
+    pt.add_argument("--steps", type=int, default=4000)
+    pt.add_argument("--batch", type=int, default=32)
+    pt.add_argument("--lr", type=float, default=1e-3)
+    pt.add_argument("--seed", type=int, default=0)
+    pt.add_argument("--save-every", type=int, default=250)
+    pt.add_argument("--grid-every", type=int, default=500)
+    pt.add_argument("--export-dir", default=None, help="default: assets/tiny_shapes")
+    pt.set_defaults(func=cmd_pretrain_tiny)
     return p
 
 

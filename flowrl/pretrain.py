@@ -1,0 +1,206 @@
+"""``flowrl pretrain-tiny``: pretrain the embedded tiny text-to-image model on the shapes domain.
+
+A tiny SD3-architecture model (diffusers ``SD3Transformer2DModel`` in pixel space + two tiny CLIP text
+encoders trained jointly) learns the rectified-flow objective ``|| v_theta(x_sigma, sigma, c) - (eps - x0) ||^2``
+with sigma from SD3's logit-normal density, 10% caption dropout (so CFG works), AdamW and an EMA of the
+weights. Resumable; a grid of held-out prompts every ``grid_every`` steps. The exported model (EMA weights,
+fp16 safetensors) goes to ``assets/tiny_shapes/`` with the command and wall time beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .config import TinyModelConfig
+from .errors import FlowRLError
+from .shapes import render, split_specs
+
+SHAPES_TINY = TinyModelConfig(resolution=32, vae=False, patch_size=4, num_layers=4, num_attention_heads=3,
+                              attention_head_dim=64, text_hidden=32, text_projection=32, text_layers=2, max_tokens=16,
+                              shift=1.0, init_seed=0)
+COMPONENTS = ("transformer", "text_encoder", "text_encoder_2")
+
+
+def default_assets_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "assets"
+
+
+def shapes_batch(specs, batch: int, rng: random.Random, res: int) -> tuple[torch.Tensor, list[str]]:
+    chosen = [specs[rng.randrange(len(specs))] for _ in range(batch)]
+    imgs = np.stack([render(s, res, rng.randrange(1 << 30)) for s in chosen])
+    x0 = torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 127.5 - 1.0  # (B, 3, H, W) in [-1, 1]
+    return x0, [s.prompt for s in chosen]
+
+
+def encode(pipe, prompts: list[str]):
+    embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=prompts, prompt_3=prompts, device="cpu",
+                                              do_classifier_free_guidance=False, max_sequence_length=0)
+    return embeds, pooled
+
+
+def _trainable(pipe):
+    return [p for name in COMPONENTS for p in getattr(pipe, name).parameters()]
+
+
+def _save_state(path: Path, pipe, optimizer, ema, step: int, elapsed: float) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in COMPONENTS:
+        save_file({k: v.contiguous() for k, v in getattr(pipe, name).state_dict().items()}, str(tmp / f"{name}.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "ema": ema.state_dict()}, tmp / "state.pt")
+    (tmp / "progress.json").write_text(json.dumps({"step": step, "elapsed_s": elapsed}))
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def _load_state(path: Path, pipe, optimizer, ema) -> tuple[int, float]:
+    from safetensors.torch import load_file
+
+    for name in COMPONENTS:
+        getattr(pipe, name).load_state_dict(load_file(str(path / f"{name}.safetensors")))
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    ema.load_state_dict(state["ema"])
+    prog = json.loads((path / "progress.json").read_text())
+    return int(prog["step"]), float(prog["elapsed_s"])
+
+
+def export_model(pipe, out_dir: Path, meta: dict) -> Path:
+    """Write the three trained components as fp16 safetensors + configs (tokenizers are rebuilt offline)."""
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in COMPONENTS:
+        module = getattr(pipe, name)
+        module.to(torch.float16).save_pretrained(str(tmp / name), safe_serialization=True)
+        module.to(torch.float32)
+    pipe.scheduler.save_pretrained(str(tmp / "scheduler"))
+    (tmp / "pretrain.json").write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000, batch: int = 32, lr: float = 1e-3,
+                  seed: int = 0, ema_decay: float = 0.999, caption_dropout: float = 0.1, save_every: int = 250,
+                  grid_every: int = 500, export_dir: str | Path | None = None, progress: bool = True) -> Path:
+    from diffusers.training_utils import EMAModel
+
+    from .models.sd3 import SD3Adapter, build_tiny_sd3_pipeline
+    from .report import save_grid
+    from .trainer import sample_images
+
+    work_dir = Path(work_dir)
+    torch.manual_seed(seed)
+    pipe = build_tiny_sd3_pipeline(SHAPES_TINY, seed=seed)
+    params = _trainable(pipe)
+    for name in COMPONENTS:
+        getattr(pipe, name).train().requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+    ema = EMAModel(params, decay=ema_decay)
+    train_specs, held_specs = split_specs()
+    step, elapsed = 0, 0.0
+    state_dir = work_dir / "state"
+    if (state_dir / "progress.json").is_file():
+        step, elapsed = _load_state(state_dir, pipe, optimizer, ema)
+        print(f"resuming pretraining at step {step} ({elapsed / 60:.1f} min so far)", file=sys.stderr)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed * 100003 + step)
+    gen = torch.Generator().manual_seed(seed * 100003 + step)
+    n_params = sum(p.numel() for p in pipe.transformer.parameters())
+    n_text = sum(p.numel() for n in COMPONENTS[1:] for p in getattr(pipe, n).parameters())
+    bar = tqdm(total=steps, initial=step, desc="pretrain", disable=not progress)
+    loss_ema = None
+    t_start = time.perf_counter() - elapsed
+    while step < steps:
+        x0, prompts = shapes_batch(train_specs, batch, rng, SHAPES_TINY.resolution)
+        prompts = ["" if rng.random() < caption_dropout else p for p in prompts]
+        embeds, pooled = encode(pipe, prompts)
+        sigma = torch.sigmoid(torch.randn(batch, generator=gen))  # SD3 logit-normal(0, 1)
+        eps = torch.randn(x0.shape, generator=gen)
+        s = sigma.view(-1, 1, 1, 1)
+        x = (1 - s) * x0 + s * eps
+        v = pipe.transformer(hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=embeds,
+                             pooled_projections=pooled, return_dict=False)[0]
+        loss = torch.nn.functional.mse_loss(v, eps - x0)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for g in optimizer.param_groups:  # linear warm-up over 200 steps
+            g["lr"] = lr * min(1.0, (step + 1) / 200)
+        optimizer.step()
+        ema.step(params)
+        step += 1
+        loss_ema = float(loss) if loss_ema is None else 0.98 * loss_ema + 0.02 * float(loss)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_ema:.4f}")
+        if step % save_every == 0 or step == steps:
+            _save_state(state_dir, pipe, optimizer, ema, step, time.perf_counter() - t_start)
+        if step % grid_every == 0 or step == steps:
+            ema.store(params)
+            ema.copy_to(params)
+            adapter = SD3Adapter(pipe, max_sequence_length=0)
+            prompts_h = [s.prompt for s in held_specs[:6]]
+            neg = adapter.encode_prompts([""])
+            from .samplers import make_sigmas
+
+            sig = make_sigmas("diffusers", 10, scheduler_config=dict(pipe.scheduler.config))
+            imgs = sample_images(adapter, prompts_h, [0, 1, 2, 3], sig, (3, 32, 32), 4.5, neg)
+            save_grid(imgs, 4, work_dir / "grids" / f"step_{step:06d}.png", row_labels=prompts_h,
+                      title=f"pretraining step {step}, held-out prompts, EMA, CFG 4.5")
+            ema.restore(params)
+            for name in COMPONENTS:
+                getattr(pipe, name).train()
+    bar.close()
+    wall = time.perf_counter() - t_start
+    ema.copy_to(params)
+    meta = {"command": "flowrl pretrain-tiny " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["pretrain-tiny"] else "pretrain_tiny()",
+            "steps": steps, "batch": batch, "lr": lr, "seed": seed, "ema_decay": ema_decay,
+            "caption_dropout": caption_dropout, "wall_time_s": round(wall, 1), "final_loss_ema": loss_ema,
+            "transformer_params": n_params, "text_encoder_params": n_text, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "config": SHAPES_TINY.__dict__}
+    out = Path(export_dir) if export_dir else default_assets_dir() / "tiny_shapes"
+    export_model(pipe, out, meta)
+    print(json.dumps({"exported": str(out), "wall_time_min": round(wall / 60, 1), "loss": loss_ema}))
+    return out
+
+
+def load_tiny_shapes_pipeline(path: str | Path | None = None):
+    """The shipped pretrained tiny model as a StableDiffusion3Pipeline (fp32), tokenizers built offline."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection
+
+    from .tokenizer import build_clip_tokenizer
+
+    path = Path(path) if path else default_assets_dir() / "tiny_shapes"
+    if not (path / "transformer" / "config.json").is_file():
+        raise FlowRLError(f"the pretrained tiny model is missing at {path}; run `flowrl pretrain-tiny` to rebuild it")
+    kw = {"torch_dtype": torch.float32}
+    meta = json.loads((path / "pretrain.json").read_text()) if (path / "pretrain.json").is_file() else {}
+    max_tokens = meta.get("config", {}).get("max_tokens", 16)
+    pipe = StableDiffusion3Pipeline(
+        transformer=SD3Transformer2DModel.from_pretrained(str(path / "transformer"), **kw),
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(str(path / "scheduler")),
+        vae=None,
+        text_encoder=CLIPTextModelWithProjection.from_pretrained(str(path / "text_encoder"), **kw),
+        tokenizer=build_clip_tokenizer(max_tokens),
+        text_encoder_2=CLIPTextModelWithProjection.from_pretrained(str(path / "text_encoder_2"), **kw),
+        tokenizer_2=build_clip_tokenizer(max_tokens),
+        text_encoder_3=None, tokenizer_3=None,
+    )
+    pipe.vae_scale_factor = 1
+    return pipe

@@ -1,0 +1,126 @@
+"""A verifiable reward for the shapes domain: background colour, shape colour and shape read from pixels.
+
+- ``classify(image)`` -> (background, colour, shape) by nearest palette colour and template IoU.
+- ``shapes`` reward (training): partial credit per attribute, mean of three scores in [0, 1]:
+  the fraction of border pixels of the asked background colour, the fraction of foreground pixels of the asked
+  shape colour, and the IoU of the foreground with the best-fitting template of the asked shape.
+- ``shapes_accuracy``: strict per-attribute correctness, for evaluation.
+A prompt outside the domain's vocabulary raises an error: the reward cannot judge it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from flowrl.errors import RewardError
+from flowrl.shapes import COLORS, SHAPES, ShapeSpec, _mask, parse_prompt
+
+from .registry import register_reward
+
+PALETTE = np.array(list(COLORS.values()), dtype=np.float32)  # (8, 3)
+NAMES = list(COLORS)
+
+
+def _to_uint8(images: torch.Tensor) -> np.ndarray:
+    """(N, 3, H, W) in [0, 1] -> (N, H, W, 3) float32 in 0..255."""
+    return (images.detach().float().cpu().clamp(0, 1) * 255).permute(0, 2, 3, 1).numpy()
+
+
+def _nearest(img: np.ndarray) -> np.ndarray:
+    """(H, W, 3) -> (H, W) index of the nearest palette colour."""
+    d = ((img[:, :, None, :] - PALETTE[None, None]) ** 2).sum(-1)
+    return d.argmin(-1)
+
+
+def _border(idx: np.ndarray) -> np.ndarray:
+    return np.concatenate([idx[0], idx[-1], idx[1:-1, 0], idx[1:-1, -1]])
+
+
+def _shape_ious(mask: np.ndarray) -> dict[str, float]:
+    """IoU of the mask with each shape template fitted to the mask's bounding box."""
+    ys, xs = np.nonzero(mask)
+    res = mask.shape[0]
+    if ys.size < 4:
+        return {s: 0.0 for s in SHAPES}
+    top, left = ys.min(), xs.min()
+    size0 = max(ys.max() - top + 1, xs.max() - left + 1)
+    out = {}
+    for shape in SHAPES:
+        best = 0.0
+        for size in (size0 - 1, size0, size0 + 1):
+            if size < 3:
+                continue
+            tmpl = _mask(shape, size, res, top, left)
+            inter = (tmpl & mask).sum()
+            union = (tmpl | mask).sum()
+            best = max(best, inter / union if union else 0.0)
+        out[shape] = float(best)
+    return out
+
+
+def analyse(img: np.ndarray) -> dict:
+    """Per-image readout: background, colour, shape, and the maps the scores need."""
+    idx = _nearest(img)
+    border = _border(idx)
+    bg = int(np.bincount(border, minlength=len(NAMES)).argmax())
+    fg = idx != bg
+    counts = np.bincount(idx[fg], minlength=len(NAMES)) if fg.any() else np.zeros(len(NAMES), dtype=int)
+    color = int(counts.argmax()) if fg.any() else -1
+    mask = idx == color if color >= 0 else np.zeros_like(fg)
+    ious = _shape_ious(mask)
+    shape = max(ious, key=ious.get) if fg.any() else "none"
+    return {"idx": idx, "border": border, "fg": fg, "background": NAMES[bg],
+            "color": NAMES[color] if color >= 0 else "none", "shape": shape, "ious": ious}
+
+
+def classify(images: torch.Tensor) -> list[tuple[str, str, str]]:
+    """(N, 3, H, W) in [0, 1] -> [(background, colour, shape)]."""
+    return [(a["background"], a["color"], a["shape"]) for a in map(analyse, _to_uint8(images))]
+
+
+def _specs(prompts: list[str]) -> list[ShapeSpec]:
+    specs = []
+    for p in prompts:
+        spec = parse_prompt(p)
+        if spec is None:
+            raise RewardError(
+                f"the shapes reward cannot judge the prompt {p!r}: it must read 'a <colour> <shape> on a <colour> "
+                f"background' with colours {', '.join(NAMES)} and shapes {', '.join(SHAPES)}")
+        specs.append(spec)
+    return specs
+
+
+def attribute_scores(images: torch.Tensor, prompts: list[str]) -> dict[str, np.ndarray]:
+    """Continuous per-attribute scores in [0, 1] and strict correctness, each (N,)."""
+    specs = _specs(prompts)
+    out = {k: np.zeros(len(specs)) for k in ("bg_score", "color_score", "shape_score", "bg_ok", "color_ok", "shape_ok")}
+    for i, (img, spec) in enumerate(zip(_to_uint8(images), specs)):
+        a = analyse(img)
+        want_bg, want_color = NAMES.index(spec.background), NAMES.index(spec.color)
+        out["bg_score"][i] = float((a["border"] == want_bg).mean())
+        fg = a["idx"] != want_bg
+        out["color_score"][i] = float((a["idx"][fg] == want_color).mean()) if fg.any() else 0.0
+        out["shape_score"][i] = _shape_ious(a["idx"] == want_color)[spec.shape]
+        out["bg_ok"][i] = a["background"] == spec.background
+        out["color_ok"][i] = a["color"] == spec.color
+        out["shape_ok"][i] = a["shape"] == spec.shape
+    return out
+
+
+@register_reward("shapes")
+class ShapesReward:
+    """Partial credit: mean of background, colour and shape scores (each in [0, 1])."""
+
+    def __call__(self, images, prompts, metadata=None):
+        s = attribute_scores(images, prompts)
+        return (s["bg_score"] + s["color_score"] + s["shape_score"]) / 3
+
+
+@register_reward("shapes_accuracy")
+class ShapesAccuracy:
+    """1 when background, colour and shape are all right, else 0 (GenEval-style strict check)."""
+
+    def __call__(self, images, prompts, metadata=None):
+        s = attribute_scores(images, prompts)
+        return s["bg_ok"] * s["color_ok"] * s["shape_ok"]
