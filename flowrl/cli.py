@@ -30,9 +30,15 @@ def cmd_train(args) -> int:
         k = max(1, len(rows) // 5)
         first = sum(r["reward_mean/total"] for r in rows[:k]) / k
         last = sum(r["reward_mean/total"] for r in rows[-k:]) / k
-        print(json.dumps({"run_dir": str(run_dir), "iterations": len(rows), f"reward_first{k}": round(first, 5),
-                          f"reward_last{k}": round(last, 5), "reward_curve": str(run_dir / "reward_curve.png"),
-                          "samples": str(run_dir / "samples")}))
+        summary = {"run_dir": str(run_dir), "iterations": len(rows), f"reward_first{k}": round(first, 5),
+                   f"reward_last{k}": round(last, 5), "reward_curve": str(run_dir / "reward_curve.png"),
+                   "samples": str(run_dir / "samples")}
+        if (run_dir / "eval.json").is_file():
+            ev = json.loads((run_dir / "eval.json").read_text())
+            summary["heldout_before"] = ev.get("before")
+            summary["heldout_after"] = ev.get("after")
+            summary["before_after"] = str(run_dir / "before_after.png")
+        print(json.dumps(summary))
     return 0
 
 
@@ -105,6 +111,42 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    """Held-out shapes accuracy of the shipped model (no arguments) or of a run's LoRA checkpoint."""
+    from .checkpoint import latest_checkpoint, load_lora_into
+    from .config import load_config
+    from .evaluate import shapes_accuracy
+    from .models import SD3Adapter
+    from .trainer import add_lora, resolve_device, sigmas_for
+
+    ckpt = None
+    if args.checkpoint:
+        ckpt = Path(args.checkpoint)
+        if (ckpt / "checkpoints").is_dir():
+            ckpt = latest_checkpoint(ckpt)
+        if ckpt is None or not (ckpt / "state.json").is_file():
+            raise FlowRLError(f"--checkpoint {args.checkpoint}: not a flowrl checkpoint or run directory")
+        cfg = load_config(args.config or ckpt.parent.parent / "config.yaml", args.overrides)
+    else:
+        cfg = load_config(args.config or Path(__file__).resolve().parent.parent / "configs" / "tiny_default.yaml",
+                          args.overrides)
+    adapter = SD3Adapter.from_config(cfg.model, resolve_device(cfg.device))
+    if ckpt is not None:
+        if not cfg.train.lora.enabled:
+            raise FlowRLError("eval --checkpoint supports LoRA checkpoints")
+        add_lora(adapter.transformer, cfg.train.lora, adapter.lora_targets)
+        load_lora_into(adapter.transformer, ckpt)
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else cfg.log.eval_seeds
+    sig = sigmas_for(cfg, adapter, args.steps or cfg.sampler.eval_num_steps)
+    g = cfg.sampler.guidance_scale if args.cfg is None else args.cfg
+    neg = adapter.encode_prompts([cfg.sampler.negative_prompt]) if g > 1 else None
+    result = shapes_accuracy(adapter, sig, seeds, g, neg, split=args.split)
+    result.update({"model": cfg.model.pretrained, "checkpoint": str(ckpt) if ckpt else None,
+                   "steps": len(sig) - 1, "guidance_scale": g})
+    print(json.dumps(result))
+    return 0
+
+
 def cmd_pretrain_tiny(args) -> int:
     from .pretrain import pretrain_tiny
 
@@ -141,6 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("overrides", nargs="*")
     b.add_argument("--repeats", type=int, default=1)
     b.set_defaults(func=cmd_bench)
+    e = sub.add_parser("eval", help="held-out shapes accuracy of the shipped model or a checkpoint (one JSON line)")
+    e.add_argument("config", nargs="?")
+    e.add_argument("overrides", nargs="*")
+    e.add_argument("--checkpoint")
+    e.add_argument("--split", default="shapes-heldout", choices=["shapes-heldout", "shapes-train"])
+    e.add_argument("--seeds", help="comma-separated seeds (default log.eval_seeds)")
+    e.add_argument("--steps", type=int)
+    e.add_argument("--cfg", type=float, help="guidance scale (default sampler.guidance_scale)")
+    e.set_defaults(func=cmd_eval)
     pt = sub.add_parser("pretrain-tiny", help="pretrain the embedded tiny model on the shapes domain (CPU, resumable)")
     pt.add_argument("--work-dir", default="runs/pretrain-tiny", help="state, grids; rerun to resume")
     pt.add_argument("--steps", type=int, default=4000)

@@ -50,7 +50,8 @@ class TinyModelConfig:
 @dataclass
 class ModelConfig:
     family: str = opt("sd3", choices=["sd3"])
-    pretrained: Optional[str] = opt("tiny", "'tiny', a preset (sd3.5-medium, sd3.5-large), a hub id or a local diffusers folder")
+    pretrained: Optional[str] = opt("tiny", "'tiny' (random init), 'tiny-shapes' (the shipped pretrained model), a "
+                                    "preset (sd3.5-medium, sd3.5-large), a hub id or a local diffusers folder")
     dtype: str = opt("fp32", "weights dtype of the transformer", choices=["fp32", "bf16", "fp16"])
     resolution: int = opt(16, "image resolution in pixels", lo=8)
     use_t5: bool = opt(True, "load the T5 encoder of real SD3 checkpoints")
@@ -150,6 +151,8 @@ class RewardSpec:
 class DataConfig:
     prompts: list[str] = opt([], "training prompts (or use prompt_file)")
     prompt_file: Optional[str] = opt(None, ".txt (one per line) or .jsonl with a 'prompt' field")
+    prompt_set: str = opt("none", "a built-in prompt set instead of prompts/prompt_file",
+                          choices=["none", "shapes-train", "shapes-heldout"])
     sample_prompts: list[str] = opt([], "prompts of the sample grids (default: the first training prompts)")
     sample_seeds: list[int] = opt([0, 1, 2, 3])
 
@@ -163,6 +166,8 @@ class LogConfig:
     keep_checkpoints: int = opt(2, lo=1)
     trackers: list[str] = opt([], "accelerate trackers: tensorboard, wandb")
     progress: bool = opt(True, "progress bars")
+    eval: str = opt("none", "held-out evaluation before and after training", choices=["none", "shapes"])
+    eval_seeds: list[int] = opt([0, 1, 2, 3, 4, 5, 6, 7], "seeds per held-out prompt")
 
 
 @dataclass

@@ -21,6 +21,14 @@ DEFAULT_TINY_PROMPTS = [
 ]
 
 
+def prompt_set(name: str) -> list[str]:
+    """Built-in prompt sets: the shapes domain's training and held-out prompts."""
+    from .shapes import split_specs
+
+    train, held = split_specs()
+    return [s.prompt for s in (train if name == "shapes-train" else held)]
+
+
 def read_prompt_file(path: str | Path) -> tuple[list[str], list[dict]]:
     """.txt: one prompt per line; .jsonl: objects with a 'prompt' field (the rest is metadata)."""
     path = Path(path)
@@ -60,6 +68,8 @@ class PromptSource:
 
     @classmethod
     def from_config(cls, data_cfg, seed: int, default: list[str] | None = None) -> "PromptSource":
+        if data_cfg.prompt_set != "none":
+            return cls(prompt_set(data_cfg.prompt_set), None, seed)
         if data_cfg.prompt_file:
             prompts, meta = read_prompt_file(data_cfg.prompt_file)
             if not prompts:

@@ -188,6 +188,8 @@ class Trainer:
                    initial=self.start_iteration, total=cfg.train.iterations)
         if self.start_iteration == 0:
             self.sample_grid(0)
+            if cfg.log.eval != "none":
+                self.evaluate("before")
         for it in bar:
             row = self.iteration(it)
             bar.set_postfix(reward=f"{row['reward_mean/total']:.4f}", kl=f"{row['approx_kl']:.1e}")
@@ -197,9 +199,47 @@ class Trainer:
             if last or (cfg.log.save_every and (it + 1) % cfg.log.save_every == 0):
                 self.save(it)
         report.plot_reward_curve(self.run_dir)
+        if cfg.log.eval != "none" and self.start_iteration < cfg.train.iterations:
+            self.evaluate("after")
         if cfg.log.trackers:
             self.accelerator.end_training()
         return self.run_dir
+
+    # ------------------------------------------------------------------------------------------ evaluation
+    GRID_PROMPTS = 6
+    GRID_SEEDS = [0, 1, 2, 3]
+
+    def evaluate(self, when: str) -> dict:
+        """Held-out accuracy (shapes) written to eval.json; a before | after grid on held-out prompts."""
+        import json
+
+        from .evaluate import shapes_accuracy
+        from .prompts import prompt_set
+
+        cfg = self.cfg
+        sig = self.sigmas_eval()
+        with self.ema_weights():
+            result = shapes_accuracy(self.adapter, sig, cfg.log.eval_seeds, cfg.sampler.guidance_scale, self.negative,
+                                     max_batch=cfg.algorithm.max_batch)
+            prompts = prompt_set("shapes-heldout")[: self.GRID_PROMPTS]
+            images = sample_images(self.adapter, prompts, self.GRID_SEEDS, sig, self.latent_shape,
+                                   cfg.sampler.guidance_scale, self.negative, cfg.algorithm.max_batch)
+        path = self.run_dir / "eval.json"
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        data[when] = result
+        report.atomic_write_bytes(path, json.dumps(data, indent=1).encode())
+        before_path = self.run_dir / "heldout_before.pt"
+        if when == "before":
+            torch.save(images, before_path)
+        elif before_path.is_file():
+            before = torch.load(before_path, weights_only=True)
+            s = len(self.GRID_SEEDS)
+            rows = [torch.cat([before[i * s:(i + 1) * s], images[i * s:(i + 1) * s]]) for i in range(len(prompts))]
+            b, a = data.get("before", {}), result
+            title = (f"held-out prompts: left before | right after   all-correct {b.get('all', float('nan')):.2f} -> "
+                     f"{a['all']:.2f}")
+            report.save_grid(torch.cat(rows), 2 * s, self.run_dir / "before_after.png", row_labels=prompts, title=title)
+        return result
 
     def iteration(self, it: int) -> dict:
         cfg = self.cfg

@@ -131,6 +131,15 @@ class SD3Adapter:
         if model_cfg.pretrained in (None, "", "tiny"):
             pipe = build_tiny_sd3_pipeline(model_cfg.tiny, seed=model_cfg.tiny.init_seed)
             max_seq = 0  # no T5: zero padding tokens would only cost time (tiny-default.md)
+        elif model_cfg.pretrained == "tiny-shapes":
+            from ..pretrain import load_tiny_shapes_pipeline
+
+            pipe = load_tiny_shapes_pipeline()
+            size = pipe.transformer.config.sample_size
+            if model_cfg.resolution != size:
+                raise ConfigError(f"model.resolution: the tiny-shapes model draws {size} px images; set "
+                                  f"model.resolution={size}")
+            max_seq = 0
         else:
             pipe = load_sd3_pipeline(model_cfg.pretrained, dtype, allow_t5=model_cfg.use_t5)
             max_seq = model_cfg.max_sequence_length if model_cfg.use_t5 else 0
