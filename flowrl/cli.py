@@ -42,26 +42,40 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _checkpoint_and_config(args, default_config: Path | None = None):
+    """(checkpoint folder or None, config): a run directory means its latest checkpoint, and the run's own
+    config.yaml is used unless a config is given."""
+    from .checkpoint import latest_checkpoint
+    from .config import load_config
+
+    if not args.checkpoint:
+        return None, load_config(args.config or default_config, args.overrides)
+    ckpt = Path(args.checkpoint)
+    if (ckpt / "checkpoints").is_dir():
+        ckpt = latest_checkpoint(ckpt)
+    if ckpt is None or not (ckpt / "state.json").is_file():
+        raise FlowRLError(f"--checkpoint {args.checkpoint}: not a flowrl checkpoint or run directory")
+    return ckpt, load_config(args.config or ckpt.parent.parent / "config.yaml", args.overrides)
+
+
+def _apply_lora_checkpoint(adapter, cfg, ckpt: Path, command: str) -> None:
+    from .checkpoint import load_lora_into
+    from .trainer import add_lora
+
+    if not cfg.train.lora.enabled:
+        raise FlowRLError(f"{command} --checkpoint supports LoRA checkpoints; load a full fine-tune with diffusers")
+    add_lora(adapter.transformer, cfg.train.lora, adapter.lora_targets)
+    load_lora_into(adapter.transformer, ckpt)
+
+
 def cmd_sample(args) -> int:
     import torch
 
-    from .checkpoint import latest_checkpoint, load_lora_into
-    from .config import load_config
     from .models import SD3Adapter
     from .report import save_grid
-    from .trainer import add_lora, resolve_device, sample_images, sigmas_for
+    from .trainer import resolve_device, sample_images, sigmas_for
 
-    ckpt = None
-    if args.checkpoint:
-        ckpt = Path(args.checkpoint)
-        if (ckpt / "checkpoints").is_dir():
-            ckpt = latest_checkpoint(ckpt)
-        if ckpt is None or not (ckpt / "state.json").is_file():
-            raise FlowRLError(f"--checkpoint {args.checkpoint}: not a flowrl checkpoint or run directory")
-        run_cfg = ckpt.parent.parent / "config.yaml"
-        cfg = load_config(args.config or run_cfg, args.overrides)
-    else:
-        cfg = load_config(args.config, args.overrides)
+    ckpt, cfg = _checkpoint_and_config(args)
     prompts = args.prompt or cfg.data.sample_prompts or cfg.data.prompts
     if not prompts:
         from .prompts import DEFAULT_TINY_PROMPTS
@@ -76,10 +90,7 @@ def cmd_sample(args) -> int:
     base = sample_images(adapter, prompts, seeds, sigmas, shape, cfg.sampler.guidance_scale, neg)
     images, title = base, "base model"
     if ckpt is not None:
-        if not cfg.train.lora.enabled:
-            raise FlowRLError("sample --checkpoint supports LoRA checkpoints; full fine-tunes load with diffusers")
-        add_lora(adapter.transformer, cfg.train.lora, adapter.lora_targets)
-        load_lora_into(adapter.transformer, ckpt)
+        _apply_lora_checkpoint(adapter, cfg, ckpt, "sample")
         tuned = sample_images(adapter, prompts, seeds, sigmas, shape, cfg.sampler.guidance_scale, neg)
         s = len(seeds)
         # each row: base seeds | fine-tuned seeds
@@ -113,29 +124,15 @@ def cmd_bench(args) -> int:
 
 def cmd_eval(args) -> int:
     """Held-out shapes accuracy of the shipped model (no arguments) or of a run's LoRA checkpoint."""
-    from .checkpoint import latest_checkpoint, load_lora_into
-    from .config import load_config
     from .evaluate import shapes_accuracy
     from .models import SD3Adapter
-    from .trainer import add_lora, resolve_device, sigmas_for
+    from .trainer import resolve_device, sigmas_for
 
-    ckpt = None
-    if args.checkpoint:
-        ckpt = Path(args.checkpoint)
-        if (ckpt / "checkpoints").is_dir():
-            ckpt = latest_checkpoint(ckpt)
-        if ckpt is None or not (ckpt / "state.json").is_file():
-            raise FlowRLError(f"--checkpoint {args.checkpoint}: not a flowrl checkpoint or run directory")
-        cfg = load_config(args.config or ckpt.parent.parent / "config.yaml", args.overrides)
-    else:
-        cfg = load_config(args.config or Path(__file__).resolve().parent.parent / "configs" / "tiny_default.yaml",
-                          args.overrides)
+    default = Path(__file__).resolve().parent.parent / "configs" / "tiny_default.yaml"
+    ckpt, cfg = _checkpoint_and_config(args, default)
     adapter = SD3Adapter.from_config(cfg.model, resolve_device(cfg.device))
     if ckpt is not None:
-        if not cfg.train.lora.enabled:
-            raise FlowRLError("eval --checkpoint supports LoRA checkpoints")
-        add_lora(adapter.transformer, cfg.train.lora, adapter.lora_targets)
-        load_lora_into(adapter.transformer, ckpt)
+        _apply_lora_checkpoint(adapter, cfg, ckpt, "eval")
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else cfg.log.eval_seeds
     sig = sigmas_for(cfg, adapter, args.steps or cfg.sampler.eval_num_steps)
     g = cfg.sampler.guidance_scale if args.cfg is None else args.cfg

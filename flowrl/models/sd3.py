@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -131,10 +132,11 @@ class SD3Adapter:
         if model_cfg.pretrained in (None, "", "tiny"):
             pipe = build_tiny_sd3_pipeline(model_cfg.tiny, seed=model_cfg.tiny.init_seed)
             max_seq = 0  # no T5: zero padding tokens would only cost time (tiny-default.md)
-        elif model_cfg.pretrained == "tiny-shapes":
+        elif model_cfg.pretrained == "tiny-shapes" or (Path(model_cfg.pretrained) / "pretrain.json").is_file():
             from ..pretrain import load_tiny_shapes_pipeline
 
-            pipe = load_tiny_shapes_pipeline()
+            # the shipped model, or a folder written by `flowrl pretrain-tiny --export-dir`
+            pipe = load_tiny_shapes_pipeline(None if model_cfg.pretrained == "tiny-shapes" else model_cfg.pretrained)
             size = pipe.transformer.config.sample_size
             if model_cfg.resolution != size:
                 raise ConfigError(f"model.resolution: the tiny-shapes model draws {size} px images; set "
