@@ -154,7 +154,7 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
             ema.store(params)
             ema.copy_to(params)
             adapter = SD3Adapter(pipe, max_sequence_length=0)
-            prompts_h = [s.prompt for s in held_specs[:6]]
+            prompts_h = [s.prompt for s in held_specs[:: max(1, len(held_specs) // 6)][:6]]
             neg = adapter.encode_prompts([""])
             from .samplers import make_sigmas
 
@@ -166,6 +166,7 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
             for name in COMPONENTS:
                 getattr(pipe, name).train()
     bar.close()
+    steps = max(steps, step)  # --steps below the saved step exports the current state as it is
     wall = time.perf_counter() - t_start
     ema.copy_to(params)
     meta = {"command": "flowrl pretrain-tiny " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["pretrain-tiny"] else "pretrain_tiny()",

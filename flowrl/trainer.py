@@ -221,7 +221,8 @@ class Trainer:
         with self.ema_weights():
             result = shapes_accuracy(self.adapter, sig, cfg.log.eval_seeds, cfg.sampler.guidance_scale, self.negative,
                                      max_batch=cfg.algorithm.max_batch)
-            prompts = prompt_set("shapes-heldout")[: self.GRID_PROMPTS]
+            held = prompt_set("shapes-heldout")
+            prompts = held[:: max(1, len(held) // self.GRID_PROMPTS)][: self.GRID_PROMPTS]  # spread over shapes
             images = sample_images(self.adapter, prompts, self.GRID_SEEDS, sig, self.latent_shape,
                                    cfg.sampler.guidance_scale, self.negative, cfg.algorithm.max_batch)
         path = self.run_dir / "eval.json"
