@@ -152,6 +152,14 @@ def cmd_pretrain_tiny(args) -> int:
     return 0
 
 
+def cmd_pretrain_tiny_clip(args) -> int:
+    from .tiny_clip import pretrain_tiny_clip
+
+    print(json.dumps(pretrain_tiny_clip(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
+                                        export_dir=args.export_dir)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowrl", description="GRPO fine-tuning of flow-matching models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -199,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--grid-every", type=int, default=500)
     pt.add_argument("--export-dir", default=None, help="default: assets/tiny_shapes")
     pt.set_defaults(func=cmd_pretrain_tiny)
+    pc = sub.add_parser("pretrain-tiny-clip", help="train the tiny shapes CLIP (open_clip architecture) on the CPU")
+    pc.add_argument("--steps", type=int, default=1500)
+    pc.add_argument("--batch", type=int, default=64)
+    pc.add_argument("--lr", type=float, default=1e-3)
+    pc.add_argument("--seed", type=int, default=0)
+    pc.add_argument("--export-dir", default=None, help="default: assets/tiny_clip")
+    pc.set_defaults(func=cmd_pretrain_tiny_clip)
     return p
 
 

@@ -5,7 +5,7 @@ tensors (N, 3, H, W) in [0, 1]. Register one with :func:`register_reward`, or na
 ``"package.module:function"`` in the config.
 """
 
-from . import jpeg, shapes  # noqa: F401  (register jpeg_* and shapes rewards)
+from . import clip, jpeg, shapes  # noqa: F401  (register clip, jpeg_* and shapes rewards)
 from .registry import REWARDS, RewardSet, build_reward, build_reward_set, register_reward
 
 __all__ = ["REWARDS", "RewardSet", "build_reward", "build_reward_set", "register_reward"]

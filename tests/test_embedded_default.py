@@ -1,0 +1,75 @@
+"""The shipped tiny pretrained model, the tiny shapes CLIP, and GRPO on them (fast tests; one slow test)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl.config import load_config
+from flowrl.report import read_metrics
+from flowrl.trainer import Trainer
+
+from .conftest import make_cfg
+
+ROOT = Path(__file__).resolve().parent.parent
+ASSETS = ROOT / "assets"
+
+
+def test_assets_fit_the_budget():
+    total = sum(p.stat().st_size for p in ASSETS.rglob("*") if p.is_file())
+    assert total <= 30 * 2**20, f"assets are {total / 2**20:.1f} MiB"
+    assert not list(ASSETS.rglob("*.bin")) and not list(ASSETS.rglob("*.pt")), "weights must be safetensors"
+    meta = json.loads((ASSETS / "tiny_shapes" / "pretrain.json").read_text())
+    assert meta["command"].startswith("flowrl pretrain-tiny") and meta["wall_time_s"] > 0
+
+
+def test_shipped_model_loads_and_draws_the_background():
+    from flowrl.evaluate import shapes_accuracy
+    from flowrl.models import SD3Adapter
+    from flowrl.trainer import sigmas_for
+
+    cfg = load_config(ROOT / "configs" / "tiny_default.yaml")
+    adapter = SD3Adapter.from_config(cfg.model)
+    assert adapter.pixel_space and adapter.latent_shape(32) == (3, 32, 32)
+    neg = adapter.encode_prompts([""])
+    result = shapes_accuracy(adapter, sigmas_for(cfg, adapter, 10), [0], cfg.sampler.guidance_scale, neg)
+    assert result["images"] == 24
+    assert result["background"] >= 0.9 and result["color"] >= 0.7  # one seed per held-out prompt
+
+
+def test_one_grpo_iteration_on_shipped_model(tmp_path):
+    cfg = make_cfg(tmp_path, "model.pretrained=tiny-shapes", "model.resolution=32", "rewards=[{name: shapes}]",
+                   "data.prompt_set=shapes-train", "train.prompts_per_iter=2", "algorithm.group_size=4",
+                   "sampler.num_steps=4")
+    row = Trainer(cfg).iteration(0)
+    assert 0.3 < row["reward_mean/shapes"] <= 1.0
+    assert row["ratio_max_abs_dev_first_update"] < 1e-5
+
+
+def test_tiny_clip_scores_matching_captions_higher():
+    import numpy as np
+
+    from flowrl.rewards import build_reward
+    from flowrl.shapes import ShapeSpec, render
+
+    clip = build_reward("clip")
+    img = torch.from_numpy(np.stack([render(ShapeSpec("square", "red", "blue"), 32, 5)] * 2)).permute(0, 3, 1, 2) / 255
+    s = clip(img, ["a red square on a blue background", "a green circle on a yellow background"])
+    assert s[0] > s[1]
+    meta = json.loads((ASSETS / "tiny_clip" / "open_clip_config.json").read_text())
+    assert meta["training"]["retrieval_top1_heldout"] > 0.5
+
+
+@pytest.mark.slow
+def test_main_job_raises_reward(tmp_path):
+    """A short version of the main job: the shapes reward of the last iterations beats the first ones."""
+    cfg = load_config(ROOT / "configs" / "tiny_default.yaml",
+                      [f"log.output_dir={tmp_path}", "log.run_name=slow", "log.progress=false", "train.iterations=20",
+                       "log.eval=none", "log.sample_every=0", "log.save_every=0"])
+    tr = Trainer(cfg)
+    tr.train()
+    rows = read_metrics(tr.run_dir / "metrics.jsonl")
+    first = sum(r["reward_mean/total"] for r in rows[:5]) / 5
+    last = sum(r["reward_mean/total"] for r in rows[-5:]) / 5
+    assert last > first + 0.01, (first, last)
