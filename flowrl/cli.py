@@ -128,7 +128,7 @@ def cmd_eval(args) -> int:
     from .models import SD3Adapter
     from .trainer import resolve_device, sigmas_for
 
-    default = Path(__file__).resolve().parent.parent / "configs" / "tiny_default.yaml"
+    default = Path(__file__).resolve().parent.parent / "configs" / "tiny_shapes_flow_grpo.yaml"
     ckpt, cfg = _checkpoint_and_config(args, default)
     adapter = SD3Adapter.from_config(cfg.model, resolve_device(cfg.device))
     if ckpt is not None:

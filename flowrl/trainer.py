@@ -92,7 +92,11 @@ class Trainer:
             resume_dir = self._find_resume(cfg, run_dir)
             run_dir = resume_dir.parent.parent
         from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
 
+        # AcceleratorState is a process-wide singleton; a second Trainer in one process (tests, bench, notebooks)
+        # with another precision must start from a fresh one. The distributed (partial) state is kept.
+        AcceleratorState._reset_state(reset_partial_state=False)
         self.accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, cpu=self.device.type == "cpu",
                                        log_with=cfg.log.trackers or None)
         self.adapter = SD3Adapter.from_config(cfg.model, self.device)

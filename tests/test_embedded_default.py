@@ -29,7 +29,7 @@ def test_shipped_model_loads_and_draws_the_background():
     from flowrl.models import SD3Adapter
     from flowrl.trainer import sigmas_for
 
-    cfg = load_config(ROOT / "configs" / "tiny_default.yaml")
+    cfg = load_config(ROOT / "configs" / "tiny_shapes_flow_grpo.yaml")
     adapter = SD3Adapter.from_config(cfg.model)
     assert adapter.pixel_space and adapter.latent_shape(32) == (3, 32, 32)
     neg = adapter.encode_prompts([""])
@@ -63,8 +63,9 @@ def test_tiny_clip_scores_matching_captions_higher():
 
 @pytest.mark.slow
 def test_main_job_raises_reward(tmp_path):
-    """A short version of the main job: the shapes reward of the last iterations beats the first ones."""
-    cfg = load_config(ROOT / "configs" / "tiny_default.yaml",
+    """A short Flow-GRPO run on the shipped model: the shapes reward of the last iterations beats the first ones.
+    Known to fail today (the reward stays flat over 20-30 iterations); kept as the target of the open issue."""
+    cfg = load_config(ROOT / "configs" / "tiny_shapes_flow_grpo.yaml",
                       [f"log.output_dir={tmp_path}", "log.run_name=slow", "log.progress=false", "train.iterations=20",
                        "log.eval=none", "log.sample_every=0", "log.save_every=0"])
     tr = Trainer(cfg)
