@@ -47,17 +47,6 @@ class Tree:
     def num_edges(self) -> int:
         return sum(x.shape[0] for x in self.latents[1:])
 
-    def leaf_of_nodes(self, depth: int) -> list[torch.Tensor]:
-        """For nodes at ``depth``: the leaf indices below each node (list of 1-D long tensors)."""
-        below = [torch.tensor([i]) for i in range(self.latents[-1].shape[0])]
-        for d in range(self.num_steps, depth, -1):
-            n_up = self.latents[d - 1].shape[0]
-            acc: list[list[torch.Tensor]] = [[] for _ in range(n_up)]
-            for child, p in enumerate(self.parent[d].tolist()):
-                acc[p].append(below[child])
-            below = [torch.cat(a) if a else torch.empty(0, dtype=torch.long) for a in acc]
-        return below
-
     def node_values_from_leaves(self, leaf_values: torch.Tensor) -> list[torch.Tensor]:
         """Uniform mean of leaf values propagated up the tree: per depth (N_d,) (fusion used for advantages)."""
         values = [None] * (self.num_steps + 1)

@@ -10,7 +10,6 @@ fp16 safetensors) goes to ``assets/tiny_shapes/`` with the command and wall time
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import shutil

@@ -7,7 +7,6 @@ reproducible on the CPU and ``resume`` continues it exactly.
 from __future__ import annotations
 
 import math
-import os
 import random
 import resource
 import time
