@@ -69,10 +69,9 @@ def _apply_lora_checkpoint(adapter, cfg, ckpt: Path, command: str) -> None:
 
 
 def cmd_sample(args) -> int:
-    import torch
 
     from .models import SD3Adapter
-    from .report import save_grid
+    from .report import save_grid, side_by_side
     from .trainer import resolve_device, sample_images, sigmas_for
 
     ckpt, cfg = _checkpoint_and_config(args)
@@ -92,10 +91,8 @@ def cmd_sample(args) -> int:
     if ckpt is not None:
         _apply_lora_checkpoint(adapter, cfg, ckpt, "sample")
         tuned = sample_images(adapter, prompts, seeds, sigmas, shape, cfg.sampler.guidance_scale, neg)
-        s = len(seeds)
-        # each row: base seeds | fine-tuned seeds
-        images = torch.cat([torch.cat([base[i * s:(i + 1) * s], tuned[i * s:(i + 1) * s]]) for i in range(len(prompts))])
-        title = f"left {s}: base | right {s}: {ckpt.name}"
+        images = side_by_side(base, tuned, len(seeds))  # each row: base seeds | fine-tuned seeds
+        title = f"left {len(seeds)}: base | right {len(seeds)}: {ckpt.name}"
         seeds = seeds * 2
     out = Path(args.out)
     save_grid(images, len(seeds), out, row_labels=prompts, title=title)

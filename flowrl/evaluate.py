@@ -9,8 +9,9 @@ from .prompts import prompt_set
 
 @torch.no_grad()
 def shapes_accuracy(adapter, sigmas: torch.Tensor, seeds: list[int], guidance_scale: float, negative=None,
-                    split: str = "shapes-heldout", max_batch: int = 64) -> dict:
-    """Sample every prompt of ``split`` at every seed (ODE) and read background, colour and shape back."""
+                    split: str = "shapes-heldout", max_batch: int = 64, return_images: bool = False):
+    """Sample every prompt of ``split`` at every seed (ODE) and read background, colour and shape back.
+    With ``return_images`` also returns the samples, (P * S, 3, H, W) prompt-major."""
     from .rewards.shapes import attribute_scores
     from .trainer import sample_images
 
@@ -19,7 +20,8 @@ def shapes_accuracy(adapter, sigmas: torch.Tensor, seeds: list[int], guidance_sc
     images = sample_images(adapter, prompts, seeds, sigmas, shape, guidance_scale, negative, max_batch)
     s = attribute_scores(images, [p for p in prompts for _ in seeds])
     both = s["bg_ok"] * s["color_ok"] * s["shape_ok"]
-    return {"split": split, "images": len(both), "background": round(float(s["bg_ok"].mean()), 4),
+    result = {"split": split, "images": len(both), "background": round(float(s["bg_ok"].mean()), 4),
             "color": round(float(s["color_ok"].mean()), 4), "shape": round(float(s["shape_ok"].mean()), 4),
             "all": round(float(both.mean()), 4),
             "reward": round(float(((s["bg_score"] + s["color_score"] + s["shape_score"]) / 3).mean()), 4)}
+    return (result, images) if return_images else result

@@ -94,6 +94,13 @@ def plot_reward_curve(run_dir: Path) -> Path | None:
     return out
 
 
+def side_by_side(left: torch.Tensor, right: torch.Tensor, per_row: int) -> torch.Tensor:
+    """Two row-major image sets with ``per_row`` images per row -> rows of ``left | right`` (2 * per_row)."""
+    rows = left.shape[0] // per_row
+    return torch.cat([torch.cat([left[i * per_row:(i + 1) * per_row], right[i * per_row:(i + 1) * per_row]])
+                      for i in range(rows)])
+
+
 def save_grid(images: torch.Tensor, nrow: int, path: Path, min_size: int = 64,
               row_labels: list[str] | None = None, title: str | None = None) -> Path:
     """images (N, 3, H, W) in [0, 1], row-major, -> PNG grid (nearest-upscaled so tiny images stay visible)."""

@@ -210,7 +210,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ evaluation
     GRID_PROMPTS = 6
-    GRID_SEEDS = [0, 1, 2, 3]
+    GRID_COLUMNS = 4
 
     def evaluate(self, when: str) -> dict:
         """Held-out accuracy (shapes) written to eval.json; a before | after grid on held-out prompts."""
@@ -221,13 +221,16 @@ class Trainer:
 
         cfg = self.cfg
         sig = self.sigmas_eval()
+        seeds = cfg.log.eval_seeds
         with self.ema_weights():
-            result = shapes_accuracy(self.adapter, sig, cfg.log.eval_seeds, cfg.sampler.guidance_scale, self.negative,
-                                     max_batch=cfg.algorithm.max_batch)
-            held = prompt_set("shapes-heldout")
-            prompts = held[:: max(1, len(held) // self.GRID_PROMPTS)][: self.GRID_PROMPTS]  # spread over shapes
-            images = sample_images(self.adapter, prompts, self.GRID_SEEDS, sig, self.latent_shape,
-                                   cfg.sampler.guidance_scale, self.negative, cfg.algorithm.max_batch)
+            result, all_images = shapes_accuracy(self.adapter, sig, seeds, cfg.sampler.guidance_scale, self.negative,
+                                                 max_batch=cfg.algorithm.max_batch, return_images=True)
+        # the grid reuses the evaluation's own samples: held-out prompts spread over shapes, the first seeds
+        held = prompt_set("shapes-heldout")
+        picks = list(range(0, len(held), max(1, len(held) // self.GRID_PROMPTS)))[: self.GRID_PROMPTS]
+        prompts = [held[i] for i in picks]
+        cols = min(self.GRID_COLUMNS, len(seeds))
+        images = torch.cat([all_images[i * len(seeds): i * len(seeds) + cols] for i in picks])
         path = self.run_dir / "eval.json"
         data = json.loads(path.read_text()) if path.is_file() else {}
         data[when] = result
@@ -237,12 +240,11 @@ class Trainer:
             torch.save(images, before_path)
         elif before_path.is_file():
             before = torch.load(before_path, weights_only=True)
-            s = len(self.GRID_SEEDS)
-            rows = [torch.cat([before[i * s:(i + 1) * s], images[i * s:(i + 1) * s]]) for i in range(len(prompts))]
             b, a = data.get("before", {}), result
             title = (f"held-out prompts: left before | right after   all-correct {b.get('all', float('nan')):.2f} -> "
                      f"{a['all']:.2f}")
-            report.save_grid(torch.cat(rows), 2 * s, self.run_dir / "before_after.png", row_labels=prompts, title=title)
+            report.save_grid(report.side_by_side(before, images, cols), 2 * cols, self.run_dir / "before_after.png",
+                             row_labels=prompts, title=title)
         return result
 
     def iteration(self, it: int) -> dict:
@@ -331,12 +333,16 @@ class Trainer:
         child = torch.tensor([c for u in units for c in u.children])
         logp = torch.empty(len(child), device=dev)
         kl = torch.zeros(len(child), device=dev)
+        old = torch.empty(len(child))
+        adv = torch.empty(len(child))
         sigma_at_one = float(tree.sigmas[1])
         for d in depth.unique().tolist():
             m = (depth == d).nonzero().flatten()
             spec = tree.plan.steps[d]
             level = cfg.sampler.noise_level if spec.noise_level is None else spec.noise_level
             prev = tree.latents[d + 1][child[m]].to(dev)
+            old[m] = tree.log_prob[d + 1][child[m]]
+            adv[m] = node_adv[d + 1][child[m]]
             s, s_next = float(tree.sigmas[d]), float(tree.sigmas[d + 1])
             out = kernel_step(cfg.sampler.kernel, x[pos[m]], v[pos[m]], s, s_next, noise_level=level,
                               sigma_at_one=sigma_at_one, prev_sample=prev, reduce=cfg.train.log_prob_reduce)
@@ -345,9 +351,7 @@ class Trainer:
                 ref = kernel_step(cfg.sampler.kernel, x[pos[m]], v_ref[pos[m]], s, s_next, noise_level=level,
                                   sigma_at_one=sigma_at_one, prev_sample=prev)
                 kl[m.to(dev)] = gaussian_kl_same_std(out.mean, ref.mean, out.std)
-        old = torch.stack([tree.log_prob[d + 1][c] for d, c in zip(depth.tolist(), child.tolist())]).to(dev)
-        adv = torch.stack([node_adv[d + 1][c] for d, c in zip(depth.tolist(), child.tolist())]).to(dev)
-        return logp, old, adv.clamp(-cfg.advantage.clip, cfg.advantage.clip), kl, depth
+        return logp, old.to(dev), adv.to(dev).clamp(-cfg.advantage.clip, cfg.advantage.clip), kl, depth
 
     def update(self, tree: Tree, cond, node_adv, masks, gen: torch.Generator) -> dict:
         cfg = self.cfg
