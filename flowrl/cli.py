@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--save-every", type=int, default=250)
     pt.add_argument("--grid-every", type=int, default=500)
     pt.add_argument("--export-dir", default=None, help="default: assets/tiny_shapes")
+    pt.add_argument("--decay-from", type=int, default=None,
+                    help="step at which a cosine learning-rate decay starts (ends at --steps); default constant")
+    pt.add_argument("--lr-final", type=float, default=0.1, help="final learning rate as a fraction of --lr")
     pt.set_defaults(func=cmd_pretrain_tiny)
     pc = sub.add_parser("pretrain-tiny-clip", help="train the tiny shapes CLIP (open_clip architecture) on the CPU")
     pc.add_argument("--steps", type=int, default=1500)

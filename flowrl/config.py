@@ -84,13 +84,60 @@ class WindowConfig:
 
 
 @dataclass
+class TreeConfig:
+    """BranchGRPO (algorithm.name = branch_grpo)."""
+
+    split_steps: list[int] = opt([0, 3, 6, 9], "step indices where every node branches")
+    branch_factor: int = opt(2, "children per node at a split step (K); leaves = K ** len(split_steps)", lo=2)
+    sibling_noise: str = opt("correlated", "correlated: the paper's marginal-preserving sibling noise; scaled: the "
+                             "released code (independent noise x strength, log-prob under the unscaled std)",
+                             choices=["correlated", "scaled", "independent"])
+    sibling_strength: float = opt(4.0, "s of the correlated construction, or the code's noise scale", lo=0.0)
+    fusion: str = opt("uniform", "leaf rewards -> node values: uniform mean, the paper's path-probability "
+                      "weighting (beta), or the code's recursive child-edge softmax",
+                      choices=["uniform", "path_weighted", "edge_softmax"])
+    fusion_beta: float = opt(1.0, "beta of path_weighted / edge_softmax fusion")
+    width_pruning: str = opt("none", "drop gradient work after the last split",
+                             choices=["none", "parent_top1", "extreme", "chain_ratio", "global_ratio"])
+    width_ratio: float = opt(0.5, "chain_ratio / global_ratio: fraction of post-split edges kept", lo=0.0, hi=1.0)
+    extreme_b: int = opt(0, "extreme: best and worst leaves kept per tree (0 = a quarter of the leaves)", lo=0)
+    depth_pruning: list[int] = opt([], "child depths whose edges are not trained at iteration 0 (empty = off)")
+    depth_slide_every: int = opt(30, "iterations between moves of the depth window (one depth earlier)", lo=1)
+    depth_stop: int = opt(-1, "the window stops when its shallowest depth reaches this (-1 = last split + 1)")
+    prune_until: float = opt(1.0, "prune only while iteration < prune_until * train.iterations", lo=0.0, hi=1.0)
+    mix: bool = opt(False, "BranchGRPO-Mix: ODE outside split steps and algorithm.window; only SDE edges trained")
+
+
+@dataclass
+class SideConfig:
+    """TempFlow-GRPO and E-GRPO: an ODE main line with group_size one-step SDE branches at active steps."""
+
+    steps: list[int] = opt([], "active steps (empty: tempflow_grpo all but the last, e_grpo the first half)")
+    seeds: int = opt(1, "main lines (initial noises) per prompt", lo=1)
+    group_by: str = opt("prompt", "advantage group per active step: all seeds of the prompt (released TempFlow "
+                        "code, E-GRPO) or one seed's branches (TempFlow paper)", choices=["prompt", "seed"])
+    merge: str = opt("adaptive", "e_grpo: merge lengths from the entropy rule (adaptive) or merge_lengths (list)",
+                     choices=["adaptive", "list"])
+    merge_lengths: list[int] = opt([], "e_grpo with merge=list: one length per active step")
+    tau: float = opt(2.2, "e_grpo entropy threshold")
+    tau_scale: str = opt("exp_entropy_per_dim", "what tau is compared with: exp(h/d) (default), the variance "
+                         "2 pi e s^2, or its log", choices=["exp_entropy_per_dim", "variance", "log_variance"])
+
+
+@dataclass
 class AlgorithmConfig:
-    name: str = opt("flow_grpo", choices=["flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo"])
-    group_size: int = opt(4, "samples per prompt (G)", lo=2)
+    name: str = opt("flow_grpo", choices=["flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo",
+                                          "tempflow_grpo", "e_grpo"])
+    group_size: int = opt(4, "samples per prompt (G); branch_grpo: leaves per tree; tempflow/e_grpo: branches "
+                          "per active step and seed", lo=2)
     shared_noise: bool = opt(False, "all G samples of a prompt start from the same noise (DanceGRPO)")
     timestep_fraction: float = opt(0.99, "fraction of steps trained (flow_grpo: first int(T*f); dance: random subset)", lo=0.0, hi=1.0, lo_open=True)
     timestep_selection: str = opt("first", choices=["first", "random"])
     window: WindowConfig = field(default_factory=WindowConfig)
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    side: SideConfig = field(default_factory=SideConfig)
+    loss_weight: str = opt("none", "per-edge loss weight: none, or TempFlow's noise-aware sigma_t sqrt(dt) "
+                           "normalised to mean 1 over the trained steps", choices=["none", "noise_aware"])
     max_batch: int = opt(64, "most tree nodes per transformer call", lo=1)
 
 

@@ -1,62 +1,132 @@
 """The denoising-tree rollout engine.
 
-A :class:`~flowrl.samplers.RolloutPlan` is executed breadth-first: all live nodes at one depth go through the
-transformer together, in as few calls as ``max_batch`` allows (the anchors call the model once per sample
-and step). A parent's velocity serves all its children, so a branching step costs one evaluation per parent.
+A :class:`~flowrl.samplers.RolloutPlan` is executed in rounds: every live node (a node above sigma_T) goes
+through the transformer once per round, all of them together in as few calls as ``max_batch`` allows (the
+anchors call the model once per sample and step). Nodes of one round may sit at different sigmas (side
+branches that took a merged step run ahead of the main line); the transformer takes per-sample timesteps.
+A parent's velocity serves all its children, so a branching step costs one evaluation per parent.
 
-The result is a :class:`Tree`: per depth d = 0..T the node latents (fp32), each node's prompt (group) index
-and parent index; each non-root node has exactly one incoming edge, stored with the node: step index,
-exact sigma and sigma_next, old log-prob, transition std, and whether it is SDE / trained.
+The result is a :class:`Tree`. Round r holds the nodes created by the r-th step (round 0: the roots), so
+a node's round is its depth (edges from the root). Per round: latents (fp32), grid index (which sigma the
+node sits at), prompt row, root id, lineage (the index where the node's side branch left the main line, -1
+on the main line), parent index into the previous round, and for the edge into the node: old log-prob,
+transition std, noise level, SDE flag, trained-candidate flag. Leaves are the nodes at index T, in any round.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from .samplers import RolloutPlan
+from .samplers import RolloutPlan, StepSpec
 from .samplers.kernels import step as kernel_step
 
 
 @dataclass
 class Tree:
     sigmas: torch.Tensor  # (T+1,) the exact grid used
-    latents: list[torch.Tensor]  # per depth d: (N_d, C, H, W) fp32
-    group: list[torch.Tensor]  # per depth d: (N_d,) long, index of the prompt/group in this batch
-    parent: list[torch.Tensor]  # per depth d: (N_d,) long, index into depth d-1 (-1 at d = 0)
-    log_prob: list[torch.Tensor]  # per depth d: (N_d,) old log-prob of the edge into each node (0 at d = 0)
-    std: list[torch.Tensor]  # per depth d: (N_d,) transition std of the edge into each node (scalar per node)
+    latents: list[torch.Tensor]  # per round r: (N_r, C, H, W) fp32
+    index: list[torch.Tensor]  # per round: (N_r,) long, grid index of the node (sigma = sigmas[index])
+    group: list[torch.Tensor]  # per round: (N_r,) long, prompt row in this batch
+    root: list[torch.Tensor]  # per round: (N_r,) long, id of the node's root (prompt * roots + k)
+    lineage: list[torch.Tensor]  # per round: (N_r,) long, index where a side branch began; -1 = main line
+    parent: list[torch.Tensor]  # per round: (N_r,) long, index into round r-1 (-1 at r = 0)
+    log_prob: list[torch.Tensor]  # per round: (N_r,) old log-prob of the edge into each node (0 for ODE / roots)
+    std: list[torch.Tensor]  # per round: (N_r,) full transition std of that edge (0 for ODE)
+    level: list[torch.Tensor]  # per round: (N_r,) noise level the edge was drawn with
+    sde: list[torch.Tensor]  # per round: (N_r,) bool, the edge into the node is stochastic
+    trained: list[torch.Tensor]  # per round: (N_r,) bool, the plan makes that edge a training candidate
     plan: RolloutPlan
     nfe: int = 0  # node velocity evaluations (CFG counted once)
     transformer_calls: int = 0
     stats: dict = field(default_factory=dict)
 
+    @classmethod
+    def skeleton(cls, parents: list[list[int]], log_probs: list[list[float]] | None = None,
+                 groups: list[int] | None = None) -> "Tree":
+        """A latent-free tree from its structure, for hand-computed checks: ``parents[r - 1]`` lists the parent
+        (position in round r - 1) of every node of round r; every node of the last round is a leaf; all edges
+        are SDE and trained. ``groups`` gives each root's prompt row (default: all 0)."""
+        n0 = len(groups) if groups else 1 + max(parents[0], default=0)
+        par = [torch.full((n0,), -1)] + [torch.tensor(p) for p in parents]
+        t = len(parents)
+        lp = [torch.zeros(n0)] + [torch.tensor(x, dtype=torch.float32) for x in (log_probs or [[0.0] * len(p) for p in parents])]
+        root = [torch.arange(n0)]
+        group = [torch.tensor(groups or [0] * n0)]
+        for r in range(1, t + 1):
+            root.append(root[r - 1][par[r]])
+            group.append(group[r - 1][par[r]])
+        n = [x.numel() for x in par]
+        plan = RolloutPlan([StepSpec() for _ in range(t)], roots_per_prompt=n0)
+        return cls(torch.linspace(1, 0, t + 1), [torch.zeros(k, 1) for k in n], [torch.full((k,), r) for r, k in enumerate(n)],
+                   group, root, [torch.full((k,), -1) for k in n], par, lp, [torch.zeros(k) for k in n],
+                   [torch.zeros(k) for k in n], [torch.ones(k, dtype=torch.bool) for k in n],
+                   [torch.ones(k, dtype=torch.bool) for k in n], plan)
+
     @property
-    def num_steps(self) -> int:
+    def num_rounds(self) -> int:
         return len(self.latents) - 1
 
     @property
+    def num_steps(self) -> int:
+        return self.plan.num_steps
+
+    def _leaf_masks(self) -> list[torch.Tensor]:
+        return [idx == self.num_steps for idx in self.index]
+
+    def leaf_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(round, position) of every leaf, in round order then position: (L,), (L,)."""
+        rounds, pos = [], []
+        for r, m in enumerate(self._leaf_masks()):
+            p = torch.nonzero(m).flatten()
+            rounds.append(torch.full_like(p, r))
+            pos.append(p)
+        return torch.cat(rounds), torch.cat(pos)
+
+    def _gather_leaves(self, values: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([v[m.to(v.device)] for v, m in zip(values, self._leaf_masks())])
+
+    @property
     def leaves(self) -> torch.Tensor:
-        return self.latents[-1]
+        return self._gather_leaves(self.latents)  # (L, C, H, W)
 
     @property
     def leaf_group(self) -> torch.Tensor:
-        return self.group[-1]
+        return self._gather_leaves(self.group)
+
+    @property
+    def leaf_root(self) -> torch.Tensor:
+        return self._gather_leaves(self.root)
+
+    @property
+    def leaf_lineage(self) -> torch.Tensor:
+        return self._gather_leaves(self.lineage)
 
     def num_edges(self) -> int:
         return sum(x.shape[0] for x in self.latents[1:])
 
+    def per_node(self, leaf_values: torch.Tensor, fill: float = 0.0) -> list[torch.Tensor]:
+        """Scatter (L,) leaf values into per-round tensors (non-leaves get ``fill``)."""
+        out = [torch.full((x.shape[0],), fill, dtype=leaf_values.dtype) for x in self.latents]
+        rounds, pos = self.leaf_positions()
+        for r in rounds.unique().tolist():
+            m = rounds == r
+            out[r][pos[m]] = leaf_values[m]
+        return out
+
     def node_values_from_leaves(self, leaf_values: torch.Tensor) -> list[torch.Tensor]:
-        """Uniform mean of leaf values propagated up the tree: per depth (N_d,) (fusion used for advantages)."""
-        values = [None] * (self.num_steps + 1)
-        values[-1] = leaf_values.float()
-        for d in range(self.num_steps, 0, -1):
-            n_up = self.latents[d - 1].shape[0]
-            sums = torch.zeros(n_up).index_add_(0, self.parent[d], values[d])
-            counts = torch.zeros(n_up).index_add_(0, self.parent[d], torch.ones_like(values[d]))
-            values[d - 1] = sums / counts.clamp_min(1)
-        return values
+        """Mean of the (finite) leaf values below each node, per round (N_r,); 0 where no finite leaf is below.
+        This is BranchGRPO's uniform reward fusion and, in chains, copies each leaf's value up its path."""
+        leaf_values = leaf_values.double()
+        ok = torch.isfinite(leaf_values)
+        sums = self.per_node(torch.where(ok, leaf_values, 0.0))
+        counts = self.per_node(ok.double())
+        for r in range(self.num_rounds, 0, -1):
+            sums[r - 1].index_add_(0, self.parent[r], sums[r])
+            counts[r - 1].index_add_(0, self.parent[r], counts[r])
+        return [(s / c.clamp_min(1)).float() for s, c in zip(sums, counts)]
 
 
 def velocity_batched(adapter, x: torch.Tensor, sigma: torch.Tensor, cond, rows: torch.Tensor, max_batch: int,
@@ -70,6 +140,22 @@ def velocity_batched(adapter, x: torch.Tensor, sigma: torch.Tensor, cond, rows: 
     return torch.cat(outs), calls
 
 
+def sibling_noise(shape: tuple[int, ...], branch: int, mode: str, strength: float,
+                  generator: torch.Generator) -> torch.Tensor:
+    """Noise for ``shape[0] = parents * branch`` children, siblings consecutive.
+
+    ``correlated`` is BranchGRPO's marginal-preserving construction: each child's noise is N(0, I) and two
+    siblings have correlation 1 / (1 + s^2). ``scaled`` multiplies independent noise by s (released code).
+    """
+    eps = torch.randn(shape, generator=generator)
+    if branch == 1 or mode == "independent":
+        return eps
+    if mode == "scaled":
+        return strength * eps
+    shared = torch.randn((shape[0] // branch, *shape[1:]), generator=generator).repeat_interleave(branch, dim=0)
+    return (shared + strength * eps) / math.sqrt(1 + strength**2)
+
+
 @torch.no_grad()
 def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape: tuple[int, ...], *,
             kernel: str, noise_level: float, generator: torch.Generator, max_batch: int = 64,
@@ -77,45 +163,87 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
             initial_noise: torch.Tensor | None = None, progress=None) -> Tree:
     """Run ``plan`` for every prompt row of ``cond`` (P prompts) and return the tree.
 
-    Noise is drawn on the CPU from ``generator`` at full depth size, independent of ``max_batch``, so the
+    Noise is drawn on the CPU from ``generator`` at full round size, independent of ``max_batch``, so the
     same seed gives the same tree whatever the batching. ``initial_noise`` (P * roots, C, H, W) overrides
     the root draw (used by tests and sample grids).
     """
     device = adapter.device
     num_prompts = cond.embeds.shape[0]
+    t_steps = plan.num_steps
     sigmas = sigmas.float().cpu()
     sigma_at_one = float(sigmas[1])
     n0 = num_prompts * plan.roots_per_prompt
     if initial_noise is None:
         initial_noise = torch.randn((n0, *latent_shape), generator=generator)
-    x = initial_noise.float().to(device)
-    group = torch.arange(num_prompts).repeat_interleave(plan.roots_per_prompt)
-    tree = Tree(sigmas, [x], [group], [torch.full((n0,), -1)], [torch.zeros(n0)], [torch.zeros(n0)], plan)
-    for d, spec in enumerate(plan.steps):
-        s, s_next = float(sigmas[d]), float(sigmas[d + 1])
-        n = x.shape[0]
-        v, calls = velocity_batched(adapter, x, torch.full((n,), s, device=device), cond, group.to(device),
-                                    max_batch, guidance_scale, negative)
-        tree.nfe += n
+    zeros, no = torch.zeros(n0), torch.zeros(n0, dtype=torch.bool)
+    tree = Tree(sigmas, [initial_noise.float().to(device)], [torch.zeros(n0, dtype=torch.long)],
+                [torch.arange(num_prompts).repeat_interleave(plan.roots_per_prompt)], [torch.arange(n0)],
+                [torch.full((n0,), -1)], [torch.full((n0,), -1)], [zeros], [zeros], [zeros], [no], [no], plan)
+
+    def sde_step(x, v, s, s_next, level, noise):
+        out = kernel_step(kernel, x, v, s, s_next, noise_level=level, sigma_at_one=sigma_at_one, noise=noise,
+                          reduce=log_prob_reduce)
+        return out.sample, out.log_prob.float().cpu(), out.std.reshape(out.std.shape[0], -1)[:, 0].expand(x.shape[0]).float().cpu()
+
+    r = 0
+    while True:
+        x, idx, lineage = tree.latents[r], tree.index[r], tree.lineage[r]
+        live = torch.nonzero(idx < t_steps).flatten()
+        if live.numel() == 0:
+            break
+        sig = sigmas[idx[live]]
+        v_live, calls = velocity_batched(adapter, x[live.to(device)], sig.to(device), cond,
+                                         tree.group[r][live].to(device), max_batch, guidance_scale, negative)
+        tree.nfe += live.numel()
         tree.transformer_calls += calls
-        parent = torch.arange(n).repeat_interleave(spec.branch)
-        xp, vp = x[parent.to(device)], v[parent.to(device)]
-        if spec.sde:
-            noise = torch.randn(xp.shape, generator=generator).to(device)
+        v = torch.zeros_like(x)
+        v[live.to(device)] = v_live
+        parts = []  # (parent positions, latents, index, lineage, log_prob, std, level, sde, trained)
+        main = live[lineage[live] < 0]
+        if main.numel():
+            i = int(idx[main[0]])  # the main line advances one index per round
+            spec = plan.steps[i]
+            s, s_next = float(sigmas[i]), float(sigmas[i + 1])
             level = noise_level if spec.noise_level is None else spec.noise_level
-            out = kernel_step(kernel, xp, vp, s, s_next, noise_level=level, sigma_at_one=sigma_at_one,
-                              noise=noise, reduce=log_prob_reduce)
-            std = out.std.reshape(out.std.shape[0], -1)[:, 0].expand(xp.shape[0]).cpu()
-        else:
-            out = kernel_step("ode", xp, vp, s, s_next, noise_level=0.0)
-            std = torch.zeros(xp.shape[0])
-        x = out.sample
-        group = group[parent]
-        tree.latents.append(x)
-        tree.group.append(group)
-        tree.parent.append(parent)
-        tree.log_prob.append(out.log_prob.float().cpu())
-        tree.std.append(std.float())
+            if spec.branch:
+                par = main.repeat_interleave(spec.branch)
+                xp, vp = x[par.to(device)], v[par.to(device)]
+                n = par.numel()
+                if spec.sde:
+                    noise = sibling_noise(tuple(xp.shape), spec.branch, spec.sibling_noise, spec.sibling_strength, generator)
+                    xs, lp, sd = sde_step(xp, vp, s, s_next, level, noise.to(device))
+                else:
+                    xs, lp, sd = kernel_step("ode", xp, vp, s, s_next, noise_level=0.0).sample, torch.zeros(n), torch.zeros(n)
+                parts.append((par, xs, torch.full((n,), i + 1), torch.full((n,), -1), lp, sd, torch.full((n,), level),
+                              torch.full((n,), spec.sde), torch.full((n,), spec.trained)))
+            if spec.side:
+                par = main.repeat_interleave(spec.side)
+                xp, vp = x[par.to(device)], v[par.to(device)]
+                n, target = par.numel(), i + spec.side_merge
+                noise = torch.randn(tuple(xp.shape), generator=generator).to(device)
+                xs, lp, sd = sde_step(xp, vp, s, float(sigmas[target]), level, noise)
+                parts.append((par, xs, torch.full((n,), target), torch.full((n,), i), lp, sd, torch.full((n,), level),
+                              torch.ones(n, dtype=torch.bool), torch.full((n,), spec.side_trained)))
+        comp = live[lineage[live] >= 0]
+        if comp.numel():  # side branches are completed deterministically, one index per round
+            ci = idx[comp]
+            xs = kernel_step("ode", x[comp.to(device)], v[comp.to(device)], sigmas[ci], sigmas[ci + 1], noise_level=0.0).sample
+            n = comp.numel()
+            parts.append((comp, xs, ci + 1, lineage[comp], torch.zeros(n), torch.zeros(n), torch.zeros(n),
+                          torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)))
+        par = torch.cat([p[0] for p in parts])
+        tree.parent.append(par)
+        tree.latents.append(torch.cat([p[1] for p in parts]))
+        tree.index.append(torch.cat([p[2] for p in parts]).long())
+        tree.lineage.append(torch.cat([p[3] for p in parts]).long())
+        tree.log_prob.append(torch.cat([p[4] for p in parts]))
+        tree.std.append(torch.cat([p[5] for p in parts]))
+        tree.level.append(torch.cat([p[6] for p in parts]).float())
+        tree.sde.append(torch.cat([p[7] for p in parts]))
+        tree.trained.append(torch.cat([p[8] for p in parts]))
+        tree.group.append(tree.group[r][par])
+        tree.root.append(tree.root[r][par])
+        r += 1
         if progress is not None:
             progress.update(1)
     return tree

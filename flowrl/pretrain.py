@@ -10,6 +10,7 @@ fp16 safetensors) goes to ``assets/tiny_shapes/`` with the command and wall time
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -52,7 +53,7 @@ def _trainable(pipe):
     return [p for name in COMPONENTS for p in getattr(pipe, name).parameters()]
 
 
-def _save_state(path: Path, pipe, optimizer, ema, step: int, elapsed: float) -> None:
+def _save_state(path: Path, pipe, optimizer, ema, step: int, elapsed: float, commands: list[str]) -> None:
     from safetensors.torch import save_file
 
     tmp = path.with_name(path.name + ".tmp")
@@ -61,12 +62,12 @@ def _save_state(path: Path, pipe, optimizer, ema, step: int, elapsed: float) -> 
     for name in COMPONENTS:
         save_file({k: v.contiguous() for k, v in getattr(pipe, name).state_dict().items()}, str(tmp / f"{name}.safetensors"))
     torch.save({"optimizer": optimizer.state_dict(), "ema": ema.state_dict()}, tmp / "state.pt")
-    (tmp / "progress.json").write_text(json.dumps({"step": step, "elapsed_s": elapsed}))
+    (tmp / "progress.json").write_text(json.dumps({"step": step, "elapsed_s": elapsed, "commands": commands}))
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
 
 
-def _load_state(path: Path, pipe, optimizer, ema) -> tuple[int, float]:
+def _load_state(path: Path, pipe, optimizer, ema) -> tuple[int, float, list[str]]:
     from safetensors.torch import load_file
 
     for name in COMPONENTS:
@@ -75,7 +76,7 @@ def _load_state(path: Path, pipe, optimizer, ema) -> tuple[int, float]:
     optimizer.load_state_dict(state["optimizer"])
     ema.load_state_dict(state["ema"])
     prog = json.loads((path / "progress.json").read_text())
-    return int(prog["step"]), float(prog["elapsed_s"])
+    return int(prog["step"]), float(prog["elapsed_s"]), list(prog.get("commands", []))
 
 
 def export_model(pipe, out_dir: Path, meta: dict) -> Path:
@@ -94,9 +95,23 @@ def export_model(pipe, out_dir: Path, meta: dict) -> Path:
     return out_dir
 
 
+def lr_factor(step: int, steps: int, decay_from: int | None, lr_final: float) -> float:
+    """Linear warm-up over 200 steps, then constant; from `decay_from` a cosine down to `lr_final` x lr at `steps`.
+
+    The decay start is a step number rather than "the resumed step", so a run resumed anywhere follows the
+    same schedule as one that ran straight through.
+    """
+    factor = min(1.0, (step + 1) / 200)
+    if decay_from is not None and step >= decay_from and steps > decay_from:
+        progress = min(1.0, (step - decay_from) / (steps - decay_from))
+        factor *= lr_final + (1 - lr_final) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
 def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000, batch: int = 32, lr: float = 1e-3,
                   seed: int = 0, ema_decay: float = 0.999, caption_dropout: float = 0.1, save_every: int = 250,
-                  grid_every: int = 500, export_dir: str | Path | None = None, progress: bool = True) -> Path:
+                  grid_every: int = 500, export_dir: str | Path | None = None, progress: bool = True,
+                  decay_from: int | None = None, lr_final: float = 0.1) -> Path:
     from diffusers.training_utils import EMAModel
 
     from .models.sd3 import SD3Adapter, build_tiny_sd3_pipeline
@@ -112,12 +127,14 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
     ema = EMAModel(params, decay=ema_decay)
     train_specs, held_specs = split_specs()
-    step, elapsed = 0, 0.0
+    step, elapsed, commands = 0, 0.0, []
     state_dir = work_dir / "state"
     if (state_dir / "progress.json").is_file():
-        step, elapsed = _load_state(state_dir, pipe, optimizer, ema)
+        step, elapsed, commands = _load_state(state_dir, pipe, optimizer, ema)
         print(f"resuming pretraining at step {step} ({elapsed / 60:.1f} min so far)", file=sys.stderr)
     work_dir.mkdir(parents=True, exist_ok=True)
+    command = ("flowrl pretrain-tiny " + " ".join(sys.argv[2:])).strip() if sys.argv[1:2] == ["pretrain-tiny"] else "pretrain_tiny()"
+    commands = commands + [f"{command}  # from step {step}"]
     rng = random.Random(seed * 100003 + step)
     gen = torch.Generator().manual_seed(seed * 100003 + step)
     n_params = sum(p.numel() for p in pipe.transformer.parameters())
@@ -139,8 +156,8 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
-        for g in optimizer.param_groups:  # linear warm-up over 200 steps
-            g["lr"] = lr * min(1.0, (step + 1) / 200)
+        for g in optimizer.param_groups:
+            g["lr"] = lr * lr_factor(step, steps, decay_from, lr_final)
         optimizer.step()
         ema.step(params)
         step += 1
@@ -148,7 +165,7 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
         bar.update(1)
         bar.set_postfix(loss=f"{loss_ema:.4f}")
         if step % save_every == 0 or step == steps:
-            _save_state(state_dir, pipe, optimizer, ema, step, time.perf_counter() - t_start)
+            _save_state(state_dir, pipe, optimizer, ema, step, time.perf_counter() - t_start, commands)
         if step % grid_every == 0 or step == steps:
             ema.store(params)
             ema.copy_to(params)
@@ -168,8 +185,8 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
     steps = max(steps, step)  # --steps below the saved step exports the current state as it is
     wall = time.perf_counter() - t_start
     ema.copy_to(params)
-    meta = {"command": "flowrl pretrain-tiny " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["pretrain-tiny"] else "pretrain_tiny()",
-            "steps": steps, "batch": batch, "lr": lr, "seed": seed, "ema_decay": ema_decay,
+    meta = {"command": command, "commands": commands,
+            "steps": steps, "batch": batch, "lr": lr, "decay_from": decay_from, "lr_final": lr_final, "seed": seed, "ema_decay": ema_decay,
             "caption_dropout": caption_dropout, "wall_time_s": round(wall, 1), "final_loss_ema": loss_ema,
             "transformer_params": n_params, "text_encoder_params": n_text, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "config": SHAPES_TINY.__dict__}

@@ -17,8 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import report
-from .advantages import group_advantages
-from .algorithms import build_plan, select_edges
+from .algorithms import build_plan, edge_advantages, select_edges
 from .checkpoint import latest_checkpoint, load_lora_into, load_trainer_state, save_checkpoint
 from .config import Config, save_config
 from .engine import Tree, rollout
@@ -72,9 +71,9 @@ def add_lora(transformer, lora_cfg, default_targets: list[str]) -> None:
 class Unit:
     """One parent state with the trained edges (children) leaving it."""
 
-    depth: int  # depth of the parent (its edges step sigma_depth -> sigma_{depth+1})
+    depth: int  # round of the parent (its trained edges create nodes of round depth + 1)
     parent: int
-    children: list[int]  # indices at depth + 1
+    children: list[int]  # positions in round depth + 1
 
 
 class Trainer:
@@ -250,7 +249,7 @@ class Trainer:
     def iteration(self, it: int) -> dict:
         cfg = self.cfg
         gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + it)
-        plan = build_plan(cfg, it, random.Random(cfg.train.seed * 1_000_003 + it))
+        plan = build_plan(cfg, it, random.Random(cfg.train.seed * 1_000_003 + it), self.sigmas)
         prompts, metadata = self.prompts.batch(it, cfg.train.prompts_per_iter)
         cond = self.adapter.encode_prompts(prompts)
         row: dict = {"iteration": it}
@@ -265,11 +264,12 @@ class Trainer:
         leaf_group = tree.leaf_group
         scores = self.rewards(images, [prompts[g] for g in leaf_group.tolist()], [metadata[g] for g in leaf_group.tolist()])
         t2 = time.perf_counter()
-        adv_leaf, adv_stats = group_advantages(scores.total, leaf_group, cfg.advantage)
-        if adv_stats["reward_nan_count"] == scores.total.numel():
+        if not torch.isfinite(scores.total).any():
             raise FlowRLError(f"iteration {it}: every reward was NaN/inf; check the reward function")
-        node_adv = tree.node_values_from_leaves(adv_leaf)
+        node_adv, keep, adv_stats = edge_advantages(cfg, tree, scores.total, it)
         masks = select_edges(cfg, tree, gen)
+        adv_stats["pruned_edges"] = sum(int((m & ~k).sum()) for m, k in zip(masks, keep))
+        masks = [m & k for m, k in zip(masks, keep)]
         train_stats = self.update(tree, cond, node_adv, masks, gen)
         t3 = time.perf_counter()
         for name, values in [("total", scores.total)] + list(scores.components.items()):
@@ -300,7 +300,7 @@ class Trainer:
         Edges with zero advantage carry no policy gradient and are skipped unless a KL term needs them."""
         keep_zero = self.cfg.train.kl_beta > 0
         units = []
-        for d in range(1, tree.num_steps + 1):
+        for d in range(1, tree.num_rounds + 1):
             sel = masks[d]
             if not keep_zero:
                 sel = sel & (node_adv[d] != 0)
@@ -313,12 +313,23 @@ class Trainer:
             units += [Unit(d - 1, p, cs) for p, cs in by_parent.items()]
         return units
 
+    def _noise_aware_weights(self, tree: Tree, masks) -> dict[int, float]:
+        """TempFlow's per-step loss weight: the transition std sigma_t sqrt(dt) of each trained step, divided
+        by its mean over the trained steps (so the weights average 1). Keyed by the parent's grid index."""
+        per_step: dict[int, float] = {}
+        for r in range(1, tree.num_rounds + 1):
+            for c in torch.nonzero(masks[r]).flatten().tolist():
+                per_step.setdefault(int(tree.index[r - 1][tree.parent[r][c]]), float(tree.std[r][c]))
+        mean = sum(per_step.values()) / max(len(per_step), 1)
+        return {k: v / mean for k, v in per_step.items()} if mean > 0 else {k: 1.0 for k in per_step}
+
     def _edge_terms(self, tree: Tree, units: list[Unit], cond, node_adv):
-        """Forward one micro-batch of parent states; returns per-edge (log_prob, old, adv, kl, depth)."""
+        """Forward one micro-batch of parent states; returns per-edge (log_prob, old, adv, kl, step index)."""
         cfg = self.cfg
         dev = self.device
         x = torch.stack([tree.latents[u.depth][u.parent] for u in units]).to(dev)  # (U, C, H, W)
-        sig = torch.tensor([float(tree.sigmas[u.depth]) for u in units], device=dev)
+        parent_index = torch.tensor([int(tree.index[u.depth][u.parent]) for u in units])
+        sig = tree.sigmas[parent_index].to(dev)
         rows = torch.tensor([int(tree.group[u.depth][u.parent]) for u in units], device=dev)
         g = cfg.sampler.guidance_scale if cfg.train.cfg else 1.0
         with self.accelerator.autocast():
@@ -327,37 +338,38 @@ class Trainer:
         if cfg.train.kl_beta > 0:
             with torch.no_grad(), self.adapter.reference(), self.accelerator.autocast():
                 v_ref = self.adapter.velocity(x, sig, cond.index(rows), g, self.negative)
-        # expand parents to their child edges, then apply the kernel per step index (its noise level)
+        # expand parents to their child edges: (E,) per-edge parent slot, child round and position
         pos = torch.tensor([i for i, u in enumerate(units) for _ in u.children], device=dev)
-        depth = torch.tensor([u.depth for u in units for _ in u.children])
+        rnd = torch.tensor([u.depth + 1 for u in units for _ in u.children])
         child = torch.tensor([c for u in units for c in u.children])
+        prev = torch.stack([tree.latents[r][c] for r, c in zip(rnd.tolist(), child.tolist())]).to(dev)
+        old = torch.stack([tree.log_prob[r][c] for r, c in zip(rnd.tolist(), child.tolist())])
+        adv = torch.stack([node_adv[r][c] for r, c in zip(rnd.tolist(), child.tolist())]).float()
+        level = torch.stack([tree.level[r][c] for r, c in zip(rnd.tolist(), child.tolist())])
+        s = tree.sigmas[parent_index[pos.cpu()]]
+        s_next = tree.sigmas[torch.stack([tree.index[r][c] for r, c in zip(rnd.tolist(), child.tolist())])]
         logp = torch.empty(len(child), device=dev)
         kl = torch.zeros(len(child), device=dev)
-        old = torch.empty(len(child))
-        adv = torch.empty(len(child))
         sigma_at_one = float(tree.sigmas[1])
-        for d in depth.unique().tolist():
-            m = (depth == d).nonzero().flatten()
-            spec = tree.plan.steps[d]
-            level = cfg.sampler.noise_level if spec.noise_level is None else spec.noise_level
-            prev = tree.latents[d + 1][child[m]].to(dev)
-            old[m] = tree.log_prob[d + 1][child[m]]
-            adv[m] = node_adv[d + 1][child[m]]
-            s, s_next = float(tree.sigmas[d]), float(tree.sigmas[d + 1])
-            out = kernel_step(cfg.sampler.kernel, x[pos[m]], v[pos[m]], s, s_next, noise_level=level,
-                              sigma_at_one=sigma_at_one, prev_sample=prev, reduce=cfg.train.log_prob_reduce)
-            logp[m.to(dev)] = out.log_prob
+        for lv in level.unique().tolist():  # the kernels take one noise level per call
+            m = (level == lv).nonzero().flatten()
+            md = m.to(dev)
+            out = kernel_step(cfg.sampler.kernel, x[pos[md]], v[pos[md]], s[m], s_next[m], noise_level=lv,
+                              sigma_at_one=sigma_at_one, prev_sample=prev[md], reduce=cfg.train.log_prob_reduce)
+            logp[md] = out.log_prob
             if v_ref is not None:
-                ref = kernel_step(cfg.sampler.kernel, x[pos[m]], v_ref[pos[m]], s, s_next, noise_level=level,
-                                  sigma_at_one=sigma_at_one, prev_sample=prev)
-                kl[m.to(dev)] = gaussian_kl_same_std(out.mean, ref.mean, out.std)
-        return logp, old.to(dev), adv.to(dev).clamp(-cfg.advantage.clip, cfg.advantage.clip), kl, depth
+                ref = kernel_step(cfg.sampler.kernel, x[pos[md]], v_ref[pos[md]], s[m], s_next[m], noise_level=lv,
+                                  sigma_at_one=sigma_at_one, prev_sample=prev[md])
+                kl[md] = gaussian_kl_same_std(out.mean, ref.mean, out.std)
+        step_index = parent_index[pos.cpu()]
+        return logp, old.to(dev), adv.to(dev).clamp(-cfg.advantage.clip, cfg.advantage.clip), kl, step_index
 
     def update(self, tree: Tree, cond, node_adv, masks, gen: torch.Generator) -> dict:
         cfg = self.cfg
         model = self.adapter.transformer
         model.train()
         units = self._units(tree, node_adv, masks)
+        weights = self._noise_aware_weights(tree, masks) if cfg.algorithm.loss_weight == "noise_aware" else None
         stats = {"trained_edges": sum(len(u.children) for u in units), "nfe_train": 0, "optimizer_steps": 0,
                  "clipfrac": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0, "ratio_std": 0.0, "policy_loss": 0.0,
                  "kl_loss": 0.0, "grad_norm": 0.0, "ratio_max_abs_dev_first_update": 0.0}
@@ -377,7 +389,10 @@ class Trainer:
                     chunk = mb_units[start:start + cfg.train.micro_batch]
                     logp, old, adv, kl, depth = self._edge_terms(tree, chunk, cond, node_adv)
                     loss_e, ratio = ppo_clip_loss(logp, old, adv, cfg.train.clip_range)
-                    loss = (loss_e + cfg.train.kl_beta * kl).sum() / n_edges
+                    edge_loss = loss_e + cfg.train.kl_beta * kl
+                    if weights is not None:  # (E,) noise-aware weight of each edge's step
+                        edge_loss = edge_loss * torch.tensor([weights[int(i)] for i in depth], device=edge_loss.device)
+                    loss = edge_loss.sum() / n_edges
                     self.accelerator.backward(loss)
                     stats["nfe_train"] += len(chunk)
                     mb_ratios.append(ratio.detach())

@@ -1,22 +1,41 @@
 """Rollout plans: what happens at each denoising index, as data.
 
 A plan is a list of :class:`StepSpec` (one per denoising index i, mapping sigma_i -> sigma_{i+1}) plus the
-number of independent initial noises per prompt. Flat GRPO with independent noise is ``roots_per_prompt=G``
-and branch 1 everywhere; DanceGRPO's shared noise is ``roots_per_prompt=1`` with branch G at the first SDE
-step; trees (BranchGRPO) put branch factors K at several split steps.
+number of independent initial noises (roots) per prompt. Nodes come in two roles:
+
+- **main** nodes follow the step specs: at index i each main node has ``branch`` main children (SDE or ODE,
+  to index i + 1) and ``side`` side children;
+- **side** children take one SDE step from sigma_i straight to sigma_{i + side_merge} (E-GRPO's merged step;
+  1 = an ordinary step) and are then *completed*: one ODE step per index down to sigma_T, never branching.
+
+Flat GRPO with independent noise is ``roots_per_prompt=G`` and branch 1 everywhere; DanceGRPO's shared noise
+is one root with branch G at the first SDE step; BranchGRPO puts branch K at its split steps; TempFlow-GRPO
+and E-GRPO run an ODE main (anchor) line with ``side=K`` at the active steps and ``branch=0`` after the last
+one (the anchor itself is never scored, so it stops there).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+SIBLING_NOISE = ("independent", "correlated", "scaled")
+
 
 @dataclass
 class StepSpec:
-    sde: bool = True  # SDE (stochastic, has a log-prob) or ODE (deterministic Euler)
-    branch: int = 1  # children per node at this step (must be 1 on ODE steps)
-    trained: bool = False  # whether edges of this step are candidates for the policy update
+    sde: bool = True  # main children: SDE (stochastic, has a log-prob) or ODE (deterministic Euler)
+    branch: int = 1  # main children per main node (> 1 only on SDE steps; 0 ends the main line here)
+    trained: bool = False  # whether main edges of this step are candidates for the policy update
     noise_level: float | None = None  # None: the sampler's default
+    side: int = 0  # side children per main node: SDE jumps to index i + side_merge, then ODE to the end
+    side_merge: int = 1
+    side_trained: bool = True
+    # how the `branch` siblings of one parent draw their noise (BranchGRPO):
+    #   independent: iid N(0, I) each;
+    #   correlated:  xi_b = (xi_0 + s * eta_b) / sqrt(1 + s^2), xi_0 shared by the siblings (marginal N(0, I));
+    #   scaled:      s * eps_b, log-prob still under the unscaled std (the released BranchGRPO code, s = 4)
+    sibling_noise: str = "independent"
+    sibling_strength: float = 4.0
 
 
 @dataclass
@@ -28,51 +47,80 @@ class RolloutPlan:
     def __post_init__(self):
         if self.roots_per_prompt < 1:
             raise ValueError("roots_per_prompt must be >= 1")
+        t = len(self.steps)
         for i, s in enumerate(self.steps):
-            if s.branch < 1:
-                raise ValueError(f"step {i}: branch must be >= 1")
+            if s.branch < 0 or s.side < 0:
+                raise ValueError(f"step {i}: branch and side must be >= 0")
+            if s.branch == 0 and s.side == 0:
+                raise ValueError(f"step {i}: branch 0 ends the main line, which needs side branches at that step")
             if not s.sde and s.branch > 1:
                 raise ValueError(f"step {i}: an ODE step cannot branch (its children would be identical)")
             if s.trained and not s.sde:
                 raise ValueError(f"step {i}: only SDE steps have a log-prob and can be trained")
+            if s.side and not 1 <= s.side_merge <= t - i:
+                raise ValueError(f"step {i}: side_merge must be in 1..{t - i}")
+            if s.sibling_noise not in SIBLING_NOISE:
+                raise ValueError(f"step {i}: sibling_noise must be one of {SIBLING_NOISE}")
 
     @property
     def num_steps(self) -> int:
         return len(self.steps)
 
+    def counts(self) -> dict:
+        """Per-prompt node and edge counts, by simulating the plan on counts instead of latents."""
+        t = self.num_steps
+        main = self.roots_per_prompt
+        side_at = [0] * (t + 1)  # side/completion nodes sitting at each index
+        main_per_depth = [main]
+        nfe = edges = trained = 0
+        for i, s in enumerate(self.steps):
+            nfe += main + side_at[i]  # every node above sigma_T is evaluated once
+            edges += main * s.branch + main * s.side + side_at[i]
+            trained += main * s.branch * s.trained + main * s.side * s.side_trained
+            side_at[i + 1] += side_at[i]
+            side_at[i + s.side_merge] += main * s.side
+            main *= s.branch
+            main_per_depth.append(main)
+        return {"leaves": main + side_at[t], "nfe": nfe, "edges": edges, "trained_edges": trained,
+                "main_per_depth": main_per_depth}
+
     def nodes_per_depth(self) -> list[int]:
-        """Nodes per prompt at depth 0..T (depth d holds latents at sigma_d)."""
-        counts = [self.roots_per_prompt]
-        for s in self.steps:
-            counts.append(counts[-1] * s.branch)
-        return counts
+        """Main nodes per prompt at depth 0..T (depth d holds latents at sigma_d)."""
+        return self.counts()["main_per_depth"]
 
     @property
     def leaves_per_prompt(self) -> int:
-        return self.nodes_per_depth()[-1]
+        return self.counts()["leaves"]
 
     def nfe_per_prompt(self) -> int:
-        """Model evaluations per prompt in the rollout: one per parent node (a parent's velocity serves all
-        of its children)."""
-        return sum(self.nodes_per_depth()[:-1])
+        """Model evaluations per prompt in the rollout: one per non-leaf node (a parent's velocity serves
+        all of its children)."""
+        return self.counts()["nfe"]
 
     def edges_per_prompt(self) -> int:
-        return sum(self.nodes_per_depth()[1:])
+        return self.counts()["edges"]
 
     def trained_edges_per_prompt(self) -> int:
-        counts = self.nodes_per_depth()
-        return sum(counts[i + 1] for i, s in enumerate(self.steps) if s.trained)
+        return self.counts()["trained_edges"]
 
     def accounting(self) -> dict:
-        leaves = self.leaves_per_prompt
+        c = self.counts()
+        leaves = c["leaves"]
         return {
             "leaves_per_prompt": leaves,
-            "nfe_rollout_per_leaf": self.nfe_per_prompt() / leaves,
-            "edges_per_leaf": self.edges_per_prompt() / leaves,
-            "trained_edges_per_leaf": self.trained_edges_per_prompt() / leaves,
+            "nfe_rollout_per_leaf": c["nfe"] / leaves,
+            "edges_per_leaf": c["edges"] / leaves,
+            "trained_edges_per_leaf": c["trained_edges"] / leaves,
         }
 
     def describe(self) -> str:
-        marks = "".join(("S" if s.sde else "o") + (str(s.branch) if s.branch > 1 else "") + ("*" if s.trained else "")
-                        for s in self.steps)
-        return f"roots={self.roots_per_prompt} steps=[{marks}] (S=SDE, o=ODE, digit=branch, *=trained)"
+        def mark(s: StepSpec) -> str:
+            m = ("S" if s.sde else "o") if s.branch else "."
+            m += str(s.branch) if s.branch > 1 else ""
+            m += "*" if s.trained and s.branch else ""
+            if s.side:
+                m += f"+{s.side}" + (f"~{s.side_merge}" if s.side_merge > 1 else "")
+            return m
+
+        return (f"roots={self.roots_per_prompt} steps=[{' '.join(mark(s) for s in self.steps)}] "
+                "(S=SDE, o=ODE, .=main line ended, digit=branch, *=trained, +K=K side SDE branches, ~l=merged l steps)")

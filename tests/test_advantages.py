@@ -46,11 +46,7 @@ def test_all_equal_group_gives_zero_not_nan():
 
 def test_edge_values_are_mean_of_descendant_leaves():
     # root -> 2 children -> each 2 leaves: edge into a depth-1 node gets the mean of its two leaves
-    plan = RolloutPlan([StepSpec(branch=2), StepSpec(branch=2)], roots_per_prompt=1)
-    z = torch.zeros(1, 1, 1, 1)
-    tree = Tree(torch.tensor([1.0, 0.5, 0.0]), [z, z.repeat(2, 1, 1, 1), z.repeat(4, 1, 1, 1)],
-                [torch.zeros(1, dtype=torch.long)] * 3, [torch.tensor([-1]), torch.tensor([0, 0]), torch.tensor([0, 0, 1, 1])],
-                [torch.zeros(1)] * 3, [torch.zeros(1)] * 3, plan)
+    tree = Tree.skeleton([[0, 0], [0, 0, 1, 1]])
     values = tree.node_values_from_leaves(torch.tensor([1.0, 3.0, -2.0, 0.0]))
     assert values[1].tolist() == [2.0, -1.0]
     assert values[0].tolist() == [0.5]
