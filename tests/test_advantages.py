@@ -6,7 +6,6 @@ import torch
 from flowrl.advantages import group_advantages
 from flowrl.config import AdvantageConfig
 from flowrl.engine import Tree
-from flowrl.samplers import RolloutPlan, StepSpec
 
 
 def test_group_zscore_by_hand():

@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.algorithms import build_plan
+from flowrl.algorithms import SIDE_BRANCH, active_side_steps, build_plan
 from flowrl.config import load_config
+from flowrl.samplers import make_sigmas
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted(ROOT.glob("configs/*.yaml"))
@@ -16,9 +17,16 @@ def test_preset_loads_and_names_its_command(path):
     first = path.read_text().splitlines()[0]
     assert first.startswith("# flowrl train configs/" + path.name), first
     cfg = load_config(path)
-    plan = build_plan(cfg, 0)
-    assert plan.leaves_per_prompt == cfg.algorithm.group_size
-    assert any(s.trained for s in plan.steps)
+    t = cfg.sampler.num_steps
+    sigmas = make_sigmas(cfg.sampler.schedule, t, shift=cfg.sampler.shift, mu=0.0,
+                         scheduler_config={"shift": 3.0, "num_train_timesteps": 1000})
+    plan = build_plan(cfg, 0, sigmas=sigmas)
+    if cfg.algorithm.name in SIDE_BRANCH:  # group_size branches per active step and seed
+        active = len(active_side_steps(cfg))
+        assert plan.leaves_per_prompt == cfg.algorithm.group_size * cfg.algorithm.side.seeds * active
+    else:
+        assert plan.leaves_per_prompt == cfg.algorithm.group_size
+    assert plan.counts()["trained_edges"] > 0
 
 
 def test_preset_accounting():
