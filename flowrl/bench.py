@@ -37,7 +37,7 @@ def run_bench(cfg, repeats: int = 1) -> dict:
         trainer = Trainer(cfg)
         trainer.iteration(0)  # warm-up (allocations, caches)
         row = trainer.iteration(1)
-        plan = build_plan(cfg, 1, random.Random(0))
+        plan = build_plan(cfg, 1, random.Random(0), trainer.sigmas)
         prompts, _ = trainer.prompts.batch(1, cfg.train.prompts_per_iter)
         cond = trainer.adapter.encode_prompts(prompts)
         batched, calls_b = _time_rollout(trainer, plan, cond, cfg.algorithm.max_batch, repeats)
@@ -52,6 +52,7 @@ def run_bench(cfg, repeats: int = 1) -> dict:
             "nfe_rollout": row["nfe_rollout"],
             "nfe_train": row["nfe_train"],
             "trained_edges": row["trained_edges"],
+            "trained_edges_per_leaf_measured": row["trained_edges"] / leaves,
             "seconds_rollout": round(row["seconds_rollout"], 4),
             "seconds_reward": round(row["seconds_reward"], 4),
             "seconds_train": round(row["seconds_train"], 4),
@@ -63,3 +64,21 @@ def run_bench(cfg, repeats: int = 1) -> dict:
             "device": str(trainer.device),
             "threads": torch.get_num_threads(),
         }
+
+
+def compare_table(results: list[dict]) -> list[dict]:
+    """One row per config with the measured times, the plan's accounting and ratios to the first config."""
+    base = results[0]
+    rows = []
+    for r in results:
+        rows.append({
+            "config": r["config"], "algorithm": r["algorithm"], "leaves_per_prompt": r["leaves_per_prompt"],
+            "nfe_rollout_per_leaf": round(r["nfe_rollout_per_leaf"], 3),
+            "trained_edges_per_leaf": round(r["trained_edges_per_leaf_measured"], 3),
+            "seconds_iteration": r["seconds_iteration"],
+            "iteration_time_vs_first": round(r["seconds_iteration"] / base["seconds_iteration"], 3),
+            "rollout_time_vs_first": round(r["seconds_rollout"] / base["seconds_rollout"], 3),
+            "train_time_vs_first": round(r["seconds_train"] / max(base["seconds_train"], 1e-9), 3),
+            "rollout_speedup_batched_vs_1": r["speedup_batched_vs_1"],
+        })
+    return rows

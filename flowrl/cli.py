@@ -112,10 +112,20 @@ def cmd_compare(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_bench
+    from .bench import compare_table, run_bench
 
-    cfg = _load(args.config, args.overrides)
-    print(json.dumps(run_bench(cfg, repeats=args.repeats), indent=1))
+    tokens = ([args.config] if args.config else []) + list(args.overrides)
+    overrides = [t for t in tokens if "=" in t]
+    configs = [t for t in tokens if "=" not in t] or [None]
+    results = []
+    for path in configs:
+        res = run_bench(_load(path, overrides), repeats=args.repeats)
+        res["config"] = path or "default"
+        results.append(res)
+    if len(results) == 1:
+        print(json.dumps(results[0], indent=1))
+        return 0
+    print(json.dumps({"runs": results, "side_by_side": compare_table(results)}, indent=1))
     return 0
 
 
@@ -180,9 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--smoothing", type=int, default=1)
     c.add_argument("--out", default="compare")
     c.set_defaults(func=cmd_compare)
-    b = sub.add_parser("bench", help="time one iteration; rollout batched vs max_batch=1 (JSON)")
-    b.add_argument("config", nargs="?")
-    b.add_argument("overrides", nargs="*")
+    b = sub.add_parser("bench", help="time one iteration; rollout batched vs max_batch=1; several configs side by "
+                       "side with ratios to the first (JSON)")
+    b.add_argument("config", nargs="?", help="a config; more configs and key=value overrides may follow")
+    b.add_argument("overrides", nargs="*", help="more configs (compared with the first) and overrides for all")
     b.add_argument("--repeats", type=int, default=1)
     b.set_defaults(func=cmd_bench)
     e = sub.add_parser("eval", help="held-out shapes accuracy of the shipped model or a checkpoint (one JSON line)")
