@@ -165,7 +165,8 @@ def _side_plan(cfg, sigmas: torch.Tensor | None) -> RolloutPlan:
     for i in range(t):
         k = active.index(i) if i in active else -1
         steps.append(StepSpec(sde=False, branch=0 if i == last else 1, trained=False,
-                              side=a.group_size if k >= 0 else 0, side_merge=merges[k] if k >= 0 else 1))
+                              side=a.group_size if k >= 0 else 0, side_merge=merges[k] if k >= 0 else 1,
+                              side_granularities=tuple(sc.granularities)))
     return RolloutPlan(steps, roots_per_prompt=sc.seeds, notes={"active_steps": active, "merge_lengths": merges})
 
 
@@ -175,7 +176,7 @@ def leaf_group_ids(cfg, tree) -> torch.Tensor:
     if cfg.algorithm.name not in SIDE_BRANCH:
         return tree.leaf_group
     owner = tree.leaf_group if cfg.algorithm.side.group_by == "prompt" else tree.leaf_root
-    key = owner * (tree.num_steps + 1) + tree.leaf_lineage + 1
+    key = (owner * (tree.num_steps + 1) + tree.leaf_lineage + 1) * (tree.num_steps + 1) + tree.leaf_stride
     return torch.unique(key, return_inverse=True)[1]
 
 
@@ -185,7 +186,10 @@ def edge_advantages(cfg, tree, rewards: torch.Tensor, iteration: int) -> tuple[l
     if a.name != "branch_grpo":
         adv_leaf, stats = group_advantages(rewards, leaf_group_ids(cfg, tree), cfg.advantage)
         keep = [torch.ones(x.shape[0], dtype=torch.bool) for x in tree.latents]
-        return tree.node_values_from_leaves(adv_leaf), keep, stats
+        adv = tree.node_values_from_leaves(adv_leaf)
+        if a.name in SIDE_BRANCH and len(a.side.granularities) > 1:  # G2RPO sums the per-granularity advantages
+            adv = [x * len(a.side.granularities) for x in adv]
+        return adv, keep, stats
     tc = a.tree
     _, stats = group_advantages(rewards, tree.leaf_group, cfg.advantage)  # leaf-level statistics, for logging
     values = trees.fuse_rewards(tree, rewards, tc.fusion, tc.fusion_beta)

@@ -119,6 +119,9 @@ class SideConfig:
     merge: str = opt("adaptive", "e_grpo: merge lengths from the entropy rule (adaptive) or merge_lengths (list)",
                      choices=["adaptive", "list"])
     merge_lengths: list[int] = opt([], "e_grpo with merge=list: one length per active step")
+    granularities: list[int] = opt([1], "completion strides; [1, 2] is G2RPO's multi-granularity completion "
+                                   "(E-GRPO's released code): one ODE finish per stride, each normalised in its "
+                                   "own group, advantages summed")
     tau: float = opt(2.2, "e_grpo entropy threshold")
     tau_scale: str = opt("exp_entropy_per_dim", "what tau is compared with: exp(h/d) (default), the variance "
                          "2 pi e s^2, or its log", choices=["exp_entropy_per_dim", "variance", "log_variance"])

@@ -39,6 +39,7 @@ class Tree:
     sde: list[torch.Tensor]  # per round: (N_r,) bool, the edge into the node is stochastic
     trained: list[torch.Tensor]  # per round: (N_r,) bool, the plan makes that edge a training candidate
     plan: RolloutPlan
+    stride: list[torch.Tensor] = field(default_factory=list)  # per round: (N_r,) completion stride (0: not completing)
     nfe: int = 0  # node velocity evaluations (CFG counted once)
     transformer_calls: int = 0
     stats: dict = field(default_factory=dict)
@@ -63,7 +64,7 @@ class Tree:
         return cls(torch.linspace(1, 0, t + 1), [torch.zeros(k, 1) for k in n], [torch.full((k,), r) for r, k in enumerate(n)],
                    group, root, [torch.full((k,), -1) for k in n], par, lp, [torch.zeros(k) for k in n],
                    [torch.zeros(k) for k in n], [torch.ones(k, dtype=torch.bool) for k in n],
-                   [torch.ones(k, dtype=torch.bool) for k in n], plan)
+                   [torch.ones(k, dtype=torch.bool) for k in n], plan, [torch.zeros(k, dtype=torch.long) for k in n])
 
     @property
     def num_rounds(self) -> int:
@@ -103,6 +104,11 @@ class Tree:
     @property
     def leaf_lineage(self) -> torch.Tensor:
         return self._gather_leaves(self.lineage)
+
+    @property
+    def leaf_stride(self) -> torch.Tensor:
+        """Completion granularity of each leaf (0 where a side jump landed on sigma_T or on the main line)."""
+        return self._gather_leaves(self.stride)
 
     def num_edges(self) -> int:
         return sum(x.shape[0] for x in self.latents[1:])
@@ -178,7 +184,8 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
     zeros, no = torch.zeros(n0), torch.zeros(n0, dtype=torch.bool)
     tree = Tree(sigmas, [initial_noise.float().to(device)], [torch.zeros(n0, dtype=torch.long)],
                 [torch.arange(num_prompts).repeat_interleave(plan.roots_per_prompt)], [torch.arange(n0)],
-                [torch.full((n0,), -1)], [torch.full((n0,), -1)], [zeros], [zeros], [zeros], [no], [no], plan)
+                [torch.full((n0,), -1)], [torch.full((n0,), -1)], [zeros], [zeros], [zeros], [no], [no], plan,
+                [torch.zeros(n0, dtype=torch.long)])
 
     def sde_step(x, v, s, s_next, level, noise):
         out = kernel_step(kernel, x, v, s, s_next, noise_level=level, sigma_at_one=sigma_at_one, noise=noise,
@@ -198,7 +205,7 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
         tree.transformer_calls += calls
         v = torch.zeros_like(x)
         v[live.to(device)] = v_live
-        parts = []  # (parent positions, latents, index, lineage, log_prob, std, level, sde, trained)
+        parts = []  # (parent positions, latents, index, lineage, log_prob, std, level, sde, trained, stride)
         main = live[lineage[live] < 0]
         if main.numel():
             i = int(idx[main[0]])  # the main line advances one index per round
@@ -215,7 +222,7 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
                 else:
                     xs, lp, sd = kernel_step("ode", xp, vp, s, s_next, noise_level=0.0).sample, torch.zeros(n), torch.zeros(n)
                 parts.append((par, xs, torch.full((n,), i + 1), torch.full((n,), -1), lp, sd, torch.full((n,), level),
-                              torch.full((n,), spec.sde), torch.full((n,), spec.trained)))
+                              torch.full((n,), spec.sde), torch.full((n,), spec.trained), torch.zeros(n)))
             if spec.side:
                 par = main.repeat_interleave(spec.side)
                 xp, vp = x[par.to(device)], v[par.to(device)]
@@ -223,14 +230,20 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
                 noise = torch.randn(tuple(xp.shape), generator=generator).to(device)
                 xs, lp, sd = sde_step(xp, vp, s, float(sigmas[target]), level, noise)
                 parts.append((par, xs, torch.full((n,), target), torch.full((n,), i), lp, sd, torch.full((n,), level),
-                              torch.ones(n, dtype=torch.bool), torch.full((n,), spec.side_trained)))
+                              torch.ones(n, dtype=torch.bool), torch.full((n,), spec.side_trained), torch.zeros(n)))
         comp = live[lineage[live] >= 0]
-        if comp.numel():  # side branches are completed deterministically, one index per round
-            ci = idx[comp]
-            xs = kernel_step("ode", x[comp.to(device)], v[comp.to(device)], sigmas[ci], sigmas[ci + 1], noise_level=0.0).sample
-            n = comp.numel()
-            parts.append((comp, xs, ci + 1, lineage[comp], torch.zeros(n), torch.zeros(n), torch.zeros(n),
-                          torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)))
+        if comp.numel():  # side branches are completed deterministically, `stride` indices per ODE step
+            stride = tree.stride[r][comp]
+            fresh = stride == 0  # a side child that just jumped: one completion chain per granularity
+            grans = [plan.steps[int(lineage[c])].side_granularities for c in comp.tolist()]
+            par = torch.cat([comp[~fresh]] + [c.repeat(len(g)) for c, g, f in zip(comp, grans, fresh.tolist()) if f])
+            step_len = torch.cat([stride[~fresh]] + [torch.tensor(g) for g, f in zip(grans, fresh.tolist()) if f]).long()
+            ci = idx[par]
+            cn = torch.minimum(ci + step_len, torch.tensor(t_steps))
+            xs = kernel_step("ode", x[par.to(device)], v[par.to(device)], sigmas[ci], sigmas[cn], noise_level=0.0).sample
+            n = par.numel()
+            parts.append((par, xs, cn, lineage[par], torch.zeros(n), torch.zeros(n), torch.zeros(n),
+                          torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool), step_len))
         par = torch.cat([p[0] for p in parts])
         tree.parent.append(par)
         tree.latents.append(torch.cat([p[1] for p in parts]))
@@ -241,6 +254,7 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
         tree.level.append(torch.cat([p[6] for p in parts]).float())
         tree.sde.append(torch.cat([p[7] for p in parts]))
         tree.trained.append(torch.cat([p[8] for p in parts]))
+        tree.stride.append(torch.cat([p[9] for p in parts]).long())
         tree.group.append(tree.group[r][par])
         tree.root.append(tree.root[r][par])
         r += 1

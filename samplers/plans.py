@@ -30,6 +30,9 @@ class StepSpec:
     side: int = 0  # side children per main node: SDE jumps to index i + side_merge, then ODE to the end
     side_merge: int = 1
     side_trained: bool = True
+    # G2RPO's multi-granularity completion: each side child is finished once per stride g (ODE steps of g
+    # grid indices, the last one clipped at sigma_T); (1,) is the ordinary completion
+    side_granularities: tuple[int, ...] = (1,)
     # how the `branch` siblings of one parent draw their noise (BranchGRPO):
     #   independent: iid N(0, I) each;
     #   correlated:  xi_b = (xi_0 + s * eta_b) / sqrt(1 + s^2), xi_0 shared by the siblings (marginal N(0, I));
@@ -59,6 +62,8 @@ class RolloutPlan:
                 raise ValueError(f"step {i}: only SDE steps have a log-prob and can be trained")
             if s.side and not 1 <= s.side_merge <= t - i:
                 raise ValueError(f"step {i}: side_merge must be in 1..{t - i}")
+            if not s.side_granularities or min(s.side_granularities) < 1:
+                raise ValueError(f"step {i}: side_granularities must be positive strides")
             if s.sibling_noise not in SIBLING_NOISE:
                 raise ValueError(f"step {i}: sibling_noise must be one of {SIBLING_NOISE}")
 
@@ -70,18 +75,26 @@ class RolloutPlan:
         """Per-prompt node and edge counts, by simulating the plan on counts instead of latents."""
         t = self.num_steps
         main = self.roots_per_prompt
-        side_at = [0] * (t + 1)  # side/completion nodes sitting at each index
         main_per_depth = [main]
-        nfe = edges = trained = 0
+        nfe = edges = trained = leaves = 0
         for i, s in enumerate(self.steps):
-            nfe += main + side_at[i]  # every node above sigma_T is evaluated once
-            edges += main * s.branch + main * s.side + side_at[i]
-            trained += main * s.branch * s.trained + main * s.side * s.side_trained
-            side_at[i + 1] += side_at[i]
-            side_at[i + s.side_merge] += main * s.side
+            nfe += main  # every node above sigma_T is evaluated once
+            edges += main * s.branch
+            trained += main * s.branch * s.trained
+            if s.side:
+                n, j = main * s.side, i + s.side_merge  # side children land at index j
+                edges += n
+                trained += n * s.side_trained
+                if j == t:
+                    leaves += n
+                else:  # the side child is evaluated once, then one ODE chain per granularity
+                    chains = [-(-(t - j) // g) for g in s.side_granularities]  # ceil((T - j) / g) steps each
+                    nfe += n * (1 + sum(c - 1 for c in chains))
+                    edges += n * sum(chains)
+                    leaves += n * len(chains)
             main *= s.branch
             main_per_depth.append(main)
-        return {"leaves": main + side_at[t], "nfe": nfe, "edges": edges, "trained_edges": trained,
+        return {"leaves": main + leaves, "nfe": nfe, "edges": edges, "trained_edges": trained,
                 "main_per_depth": main_per_depth}
 
     def nodes_per_depth(self) -> list[int]:

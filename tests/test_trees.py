@@ -249,3 +249,27 @@ def test_noise_aware_weights_average_one(tmp_path):
     s_r = torch.where(sig[:9] >= 1, sig[1], sig[:9])
     expect = 0.7 * torch.sqrt(s_r / (1 - s_r)) * torch.sqrt(sig[:9] - sig[1:10])  # sigma_t sqrt(dt)
     assert [w[i] for i in range(9)] == pytest.approx((expect / expect.mean()).tolist(), rel=1e-4)
+
+
+def test_multi_granularity_completion(tiny_adapter):
+    cfg = load_config(ROOT / "configs/tiny_e_grpo.yaml", ["sampler.num_steps=6", "algorithm.side.steps=[0,1]",
+                                                         "algorithm.side.merge=list", "algorithm.side.merge_lengths=[1,2]",
+                                                         "algorithm.group_size=3", "algorithm.side.granularities=[1,2]"])
+    plan, tree, adv = _tree_and_adv(cfg, tiny_adapter)
+    # a side child landing at j is finished by a stride-1 chain (6 - j steps) and a stride-2 chain (ceil((6 - j)/2))
+    c = plan.counts()
+    assert c["leaves"] == 3 * 2 + 3 * 2
+    assert c["edges"] == 3 * (1 + 5 + 3) + 3 * (1 + 3 + 2) + 1  # + the anchor's one ODE step
+    assert tree.leaves.shape[0] == 2 * c["leaves"] and tree.nfe == 2 * c["nfe"] and tree.num_edges() == 2 * c["edges"]
+    assert sorted(tree.leaf_stride.unique().tolist()) == [1, 2]
+    # the SDE edge's advantage is the sum of its two completions' group advantages
+    from flowrl.advantages import group_advantages
+    from flowrl.algorithms import leaf_group_ids
+
+    rewards = tree.leaves.mean(dim=(1, 2, 3))
+    a_leaf, _ = group_advantages(rewards, leaf_group_ids(cfg, tree), cfg.advantage)
+    sde = torch.nonzero(tree.trained[1]).flatten()
+    vals = tree.per_node(a_leaf)  # summed up the tree: the sum of the leaf advantages below each node
+    for r in range(tree.num_rounds, 1, -1):
+        vals[r - 1].index_add_(0, tree.parent[r], vals[r])
+    assert torch.allclose(adv[1][sde], vals[1][sde].float(), atol=1e-5)
