@@ -101,12 +101,12 @@ def build_plan(cfg, iteration: int, rng: random.Random | None = None, sigmas: to
         return _branch_plan(cfg, iteration, rng)
     if a.name in SIDE_BRANCH:
         return _side_plan(cfg, sigmas)
-    if a.name in ("flow_grpo", "dance_grpo"):
+    if a.name in ("flow_grpo", "dance_grpo", "chunk_grpo"):
         sde = [True] * t
         if a.name == "flow_grpo":
             n_train = max(1, min(int(t * a.timestep_fraction), t))
             trained = [i < n_train for i in range(t)]
-        else:  # DanceGRPO never trains the last step; the per-path subset is drawn in select_edges
+        else:  # DanceGRPO and Chunk-GRPO never train the last step (subsets: select_edges / chunks)
             trained = [i < t - 1 or t == 1 for i in range(t)]
         notes = {}
     else:  # mix_grpo / flow_grpo_fast
@@ -218,7 +218,7 @@ def select_edges(cfg, tree, generator: torch.Generator) -> list[torch.Tensor]:
     edge lies on exactly one path.
     """
     masks = [m.clone() for m in tree.trained]
-    if cfg.algorithm.timestep_selection != "random" or cfg.algorithm.name in SIDE_BRANCH + ("branch_grpo",):
+    if cfg.algorithm.timestep_selection != "random" or cfg.algorithm.name in SIDE_BRANCH + ("branch_grpo", "chunk_grpo"):
         return masks
     candidates = [r for r in range(1, tree.num_rounds + 1) if bool(tree.trained[r].any())]
     keep = max(1, int(len(candidates) * cfg.algorithm.timestep_fraction))

@@ -128,9 +128,23 @@ class SideConfig:
 
 
 @dataclass
+class ChunkConfig:
+    """Chunk-GRPO (algorithm.name = chunk_grpo): the first T - 1 transitions in consecutive chunks."""
+
+    mode: str = opt("fixed", "fixed sizes (the released code), uniform size, or the v3 paper's adaptive split",
+                    choices=["fixed", "uniform", "adaptive"])
+    sizes: list[int] = opt([2, 3, 4, 7], "fixed: chunk sizes, high noise first; must sum to num_steps - 1")
+    size: int = opt(4, "uniform: transitions per chunk", lo=1)
+    min_size: int = opt(2, "adaptive: chunks are not split below this size", lo=1)
+    sampling: str = opt("uniform", "which chunks are trained: uniform without replacement, or weighted by the "
+                        "chunk's mean relative-L1 latent change", choices=["uniform", "weighted"])
+    weight_norm: str = opt("l1", "weighted sampling: l1-normalised means or their softmax", choices=["l1", "softmax"])
+
+
+@dataclass
 class AlgorithmConfig:
     name: str = opt("flow_grpo", choices=["flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo",
-                                          "tempflow_grpo", "e_grpo"])
+                                          "tempflow_grpo", "e_grpo", "chunk_grpo"])
     group_size: int = opt(4, "samples per prompt (G); branch_grpo: leaves per tree; tempflow/e_grpo: branches "
                           "per active step and seed", lo=2)
     shared_noise: bool = opt(False, "all G samples of a prompt start from the same noise (DanceGRPO)")
@@ -139,6 +153,7 @@ class AlgorithmConfig:
     window: WindowConfig = field(default_factory=WindowConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
     side: SideConfig = field(default_factory=SideConfig)
+    chunk: ChunkConfig = field(default_factory=ChunkConfig)
     loss_weight: str = opt("none", "per-edge loss weight: none, or TempFlow's noise-aware sigma_t sqrt(dt) "
                            "normalised to mean 1 over the trained steps", choices=["none", "noise_aware"])
     max_batch: int = opt(64, "most tree nodes per transformer call", lo=1)

@@ -364,41 +364,87 @@ class Trainer:
         step_index = parent_index[pos.cpu()]
         return logp, old.to(dev), adv.to(dev).clamp(-cfg.advantage.clip, cfg.advantage.clip), kl, step_index
 
+    def _chunk_items(self, tree: Tree, node_adv, gen: torch.Generator) -> list[list[Unit]]:
+        """Chunk-GRPO work items: per leaf path, the selected chunks of its trained transitions, each a list of
+        one-edge units (high noise first). Leaves with zero advantage are skipped unless a KL term needs them."""
+        from . import chunks as ch
+
+        c = self.cfg.algorithm.chunk
+        rounds = [r for r in range(1, tree.num_rounds + 1) if bool(tree.trained[r].any())]
+        leaf_round, leaf_pos = tree.leaf_positions()
+        items = []
+        for lr, lp in zip(leaf_round.tolist(), leaf_pos.tolist()):
+            path = [0] * (lr + 1)  # node position at every round of this leaf's path
+            path[lr] = lp
+            for r in range(lr, 0, -1):
+                path[r - 1] = int(tree.parent[r][path[r]])
+            if node_adv[lr][lp] == 0 and self.cfg.train.kl_beta == 0:
+                continue
+            n = len(rounds)
+            curve = ch.relative_l1(torch.stack([tree.latents[r][path[r]] for r in [rounds[0] - 1] + rounds]))
+            if c.mode == "fixed":
+                sizes = ch.fixed_chunks(c.sizes, n)
+            elif c.mode == "uniform":
+                sizes = ch.uniform_chunks(c.size, n)
+            else:
+                sizes = ch.adaptive_chunks(curve.tolist(), c.min_size)
+            weights = ch.chunk_weights(curve, sizes, c.weight_norm) if c.sampling == "weighted" else None
+            n_train = int(len(sizes) * self.cfg.algorithm.timestep_fraction)
+            starts = [sum(sizes[:j]) for j in range(len(sizes))]
+            for j in ch.select_chunks(len(sizes), n_train, gen, weights):
+                items.append([Unit(r - 1, path[r - 1], [path[r]]) for r in rounds[starts[j]:starts[j] + sizes[j]]])
+        return items
+
     def update(self, tree: Tree, cond, node_adv, masks, gen: torch.Generator) -> dict:
+        """PPO-clip update. Work items are parent units (a parent state with all its trained edges; one loss
+        row per edge) or, for chunk_grpo, chunks (several one-edge units; one loss row per chunk, whose ratio is
+        the geometric mean of its step ratios)."""
+        from .chunks import chunk_log_ratio
+
         cfg = self.cfg
-        model = self.adapter.transformer
-        model.train()
-        units = self._units(tree, node_adv, masks)
+        self.adapter.transformer.train()
+        by_chunk = cfg.algorithm.name == "chunk_grpo"
+        items = self._chunk_items(tree, node_adv, gen) if by_chunk else [[u] for u in self._units(tree, node_adv, masks)]
         weights = self._noise_aware_weights(tree, masks) if cfg.algorithm.loss_weight == "noise_aware" else None
-        stats = {"trained_edges": sum(len(u.children) for u in units), "nfe_train": 0, "optimizer_steps": 0,
+        stats = {"trained_edges": sum(len(u.children) for it in items for u in it), "nfe_train": 0, "optimizer_steps": 0,
                  "clipfrac": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0, "ratio_std": 0.0, "policy_loss": 0.0,
                  "kl_loss": 0.0, "grad_norm": 0.0, "ratio_max_abs_dev_first_update": 0.0}
-        if not units:
+        if by_chunk:
+            stats["trained_chunks"] = len(items)
+        if not items:
             return stats
         ratios, clipped, kls, pls, approx, depths, grad_norms = [], [], [], [], [], [], []
         first = True
         for _ in range(cfg.train.inner_epochs):
-            order = torch.randperm(len(units), generator=gen).tolist()
+            order = torch.randperm(len(items), generator=gen).tolist()
             n_mb = min(cfg.train.num_minibatches, len(order))
             for mb in range(n_mb):
-                mb_units = [units[i] for i in order[mb::n_mb]]
-                n_edges = sum(len(u.children) for u in mb_units)
+                mb_items = [items[i] for i in order[mb::n_mb]]
+                n_rows = len(mb_items) if by_chunk else sum(len(it[0].children) for it in mb_items)
                 self.optimizer.zero_grad(set_to_none=True)
                 mb_ratios = []
-                for start in range(0, len(mb_units), cfg.train.micro_batch):
-                    chunk = mb_units[start:start + cfg.train.micro_batch]
-                    logp, old, adv, kl, depth = self._edge_terms(tree, chunk, cond, node_adv)
-                    loss_e, ratio = ppo_clip_loss(logp, old, adv, cfg.train.clip_range)
-                    edge_loss = loss_e + cfg.train.kl_beta * kl
+                for group in _micro_batches(mb_items, cfg.train.micro_batch):
+                    units = [u for it in group for u in it]
+                    logp, old, adv, kl, depth = self._edge_terms(tree, units, cond, node_adv)
+                    if by_chunk:  # (E,) edges -> (C,) chunks
+                        cid = torch.tensor([k for k, it in enumerate(group) for _ in it], device=logp.device)
+                        first_edge = torch.tensor([0] + [len(it) for it in group[:-1]]).cumsum(0).to(logp.device)
+                        log_ratio = chunk_log_ratio(logp, old, cid, len(group))
+                        loss_r, ratio = ppo_clip_loss(log_ratio, torch.zeros_like(log_ratio), adv[first_edge],
+                                                      cfg.train.clip_range)
+                        kl = chunk_log_ratio(kl, torch.zeros_like(kl), cid, len(group))
+                        depth = depth[first_edge.cpu()]
+                    else:
+                        loss_r, ratio = ppo_clip_loss(logp, old, adv, cfg.train.clip_range)
+                    row_loss = loss_r + cfg.train.kl_beta * kl
                     if weights is not None:  # (E,) noise-aware weight of each edge's step
-                        edge_loss = edge_loss * torch.tensor([weights[int(i)] for i in depth], device=edge_loss.device)
-                    loss = edge_loss.sum() / n_edges
-                    self.accelerator.backward(loss)
-                    stats["nfe_train"] += len(chunk)
+                        row_loss = row_loss * torch.tensor([weights[int(i)] for i in depth], device=row_loss.device)
+                    self.accelerator.backward(row_loss.sum() / n_rows)
+                    stats["nfe_train"] += len(units)
                     mb_ratios.append(ratio.detach())
                     clipped.append(((ratio.detach() - 1).abs() > cfg.train.clip_range).float())
                     kls.append(kl.detach())
-                    pls.append(loss_e.detach())
+                    pls.append(loss_r.detach())
                     approx.append(0.5 * (logp.detach() - old) ** 2)
                     depths.append(depth)
                 if first:
@@ -463,6 +509,19 @@ class Trainer:
 
 
 @torch.no_grad()
+def _micro_batches(items: list[list[Unit]], max_units: int):
+    """Consecutive groups of work items holding at most ``max_units`` parent states (at least one item)."""
+    group, size = [], 0
+    for it in items:
+        if group and size + len(it) > max_units:
+            yield group
+            group, size = [], 0
+        group.append(it)
+        size += len(it)
+    if group:
+        yield group
+
+
 def sample_images(adapter, prompts: list[str], seeds: list[int], sigmas: torch.Tensor, latent_shape,
                   guidance_scale: float = 1.0, negative=None, max_batch: int = 64) -> torch.Tensor:
     """ODE samples for every (prompt, seed), row-major by prompt: (P * S, 3, H, W) in [0, 1]."""
