@@ -19,14 +19,22 @@ def _std(values: torch.Tensor, ddof: int) -> torch.Tensor:
     return values.var(correction=ddof).sqrt()
 
 
-def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, adv_cfg) -> tuple[torch.Tensor, dict]:
-    """rewards (L,), groups (L,) long -> advantages (L,) fp32 and statistics."""
+def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, adv_cfg,
+                     baselines: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """rewards (L,), groups (L,) long -> advantages (L,) fp32 and statistics.
+
+    Zero-variance groups follow ``adv_cfg.zero_variance``: ``zero`` (and ``drop_refill``, which the trainer
+    handles) give 0; ``global`` gives (r - batch mean) / batch std; ``tracker`` gives (r - baseline) / batch
+    std with ``baselines`` (L,) in reward units (a per-prompt tracker's value).
+    """
     rewards = rewards.double()
     valid = torch.isfinite(rewards)
     adv = torch.zeros_like(rewards)
     group_ids = torch.unique(groups)
     global_std = _std(rewards[valid], adv_cfg.ddof) if valid.any() else torch.zeros((), dtype=rewards.dtype)
-    zero_groups = 0
+    global_mean = rewards[valid].mean() if valid.any() else torch.zeros((), dtype=rewards.dtype)
+    policy = getattr(adv_cfg, "zero_variance", "zero")
+    zero_groups = rescued = 0
     group_stds = []
     for g in group_ids.tolist():
         member = (groups == g) & valid
@@ -38,6 +46,12 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, adv_cfg) -> tu
         group_stds.append(float(g_std))
         if r.numel() < 2 or g_std < adv_cfg.zero_std_threshold:
             zero_groups += 1
+            if policy == "global" and global_std > adv_cfg.zero_std_threshold:
+                adv[member] = (r - global_mean) / (global_std + adv_cfg.eps)
+                rescued += 1
+            elif policy == "tracker" and baselines is not None and global_std > adv_cfg.zero_std_threshold:
+                adv[member] = (r - baselines.double()[member]) / (global_std + adv_cfg.eps)
+                rescued += 1
             continue
         scale = g_std if adv_cfg.std == "group" else global_std
         adv[member] = (r - r.mean()) / (scale + adv_cfg.eps)
@@ -45,6 +59,7 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, adv_cfg) -> tu
     stats = {
         "zero_std_ratio": zero_groups / max(len(group_ids), 1),
         "zero_std_groups": zero_groups,
+        "zero_std_groups_given_advantage": rescued,
         "reward_nan_count": int((~valid).sum()),
         "group_std_mean": sum(group_stds) / max(len(group_stds), 1),
         "advantage_abs_mean": float(adv.abs().mean()),

@@ -32,7 +32,7 @@ from .errors import ConfigError
 from .samplers import RolloutPlan, StepSpec
 from . import trees
 
-SIDE_BRANCH = ("tempflow_grpo", "e_grpo")
+SIDE_BRANCH = ("tempflow_grpo", "e_grpo", "ada_grpo")
 
 
 def window_start(cfg, iteration: int, rng: random.Random) -> int:
@@ -90,7 +90,11 @@ def active_side_steps(cfg) -> list[int]:
     a, t = cfg.algorithm, cfg.sampler.num_steps
     if a.side.steps:
         return _check_steps("algorithm.side.steps", a.side.steps, t)
-    return list(range(max(t - 1, 1))) if a.name == "tempflow_grpo" else list(range(max(t // 2, 1)))
+    if a.name == "tempflow_grpo":
+        return list(range(max(t - 1, 1)))
+    if a.name == "ada_grpo":  # every other step of the first half: {0, 2, 4, 6} of 16
+        return list(range(0, max(t // 2, 1), 2))
+    return list(range(max(t // 2, 1)))
 
 
 def build_plan(cfg, iteration: int, rng: random.Random | None = None, sigmas: torch.Tensor | None = None) -> RolloutPlan:
@@ -101,9 +105,9 @@ def build_plan(cfg, iteration: int, rng: random.Random | None = None, sigmas: to
         return _branch_plan(cfg, iteration, rng)
     if a.name in SIDE_BRANCH:
         return _side_plan(cfg, sigmas)
-    if a.name in ("flow_grpo", "dance_grpo", "chunk_grpo"):
+    if a.name in ("flow_grpo", "dance_grpo", "chunk_grpo", "superflow"):
         sde = [True] * t
-        if a.name == "flow_grpo":
+        if a.name in ("flow_grpo", "superflow"):
             n_train = max(1, min(int(t * a.timestep_fraction), t))
             trained = [i < n_train for i in range(t)]
         else:  # DanceGRPO and Chunk-GRPO never train the last step (subsets: select_edges / chunks)
@@ -180,11 +184,24 @@ def leaf_group_ids(cfg, tree) -> torch.Tensor:
     return torch.unique(key, return_inverse=True)[1]
 
 
-def edge_advantages(cfg, tree, rewards: torch.Tensor, iteration: int) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
-    """Leaf rewards (L,) -> (per-round edge advantages, per-round keep masks from pruning, statistics)."""
+def edge_advantages(cfg, tree, rewards: torch.Tensor, iteration: int, baselines: torch.Tensor | None = None,
+                    capability: tuple[float, float] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """Leaf rewards (L,) -> (per-round edge advantages, per-round keep masks from pruning, statistics).
+
+    ``baselines`` (L,): the per-prompt tracker value of each leaf in reward units (superflow, and the
+    ``tracker`` zero-variance policy); ``capability``: AdaGRPO's EMA (mean, std) of anchor scores."""
+    from .trackers import adagrpo_advantages, superflow_advantages
+
     a = cfg.algorithm
     if a.name != "branch_grpo":
-        adv_leaf, stats = group_advantages(rewards, leaf_group_ids(cfg, tree), cfg.advantage)
+        groups = leaf_group_ids(cfg, tree)
+        adv_leaf, stats = group_advantages(rewards, groups, cfg.advantage, baselines)
+        if a.name == "superflow":
+            adv_leaf = superflow_advantages(rewards, baselines, cfg.advantage.eps).clamp(-cfg.advantage.clip, cfg.advantage.clip)
+        elif a.name == "ada_grpo":
+            adv_leaf = adagrpo_advantages(torch.where(torch.isfinite(rewards), rewards, torch.nan), groups,
+                                          capability[0], capability[1], cfg.advantage.clip, cfg.advantage.eps)
+            adv_leaf = torch.nan_to_num(adv_leaf, nan=0.0)
         keep = [torch.ones(x.shape[0], dtype=torch.bool) for x in tree.latents]
         adv = tree.node_values_from_leaves(adv_leaf)
         if a.name in SIDE_BRANCH and len(a.side.granularities) > 1:  # G2RPO sums the per-granularity advantages

@@ -142,9 +142,36 @@ class ChunkConfig:
 
 
 @dataclass
+class TrackerConfig:
+    """SuperFlow (algorithm.name = superflow) and the `tracker` zero-variance policy: a per-prompt Beta tracker.
+    SuperFlow has no public code; the binning, the group-size mapping and the KL-adaptive forgetting are
+    assumptions documented in flowrl/trackers.py."""
+
+    rho: float = opt(0.9, "forgetting factor per visit", lo=0.0, hi=1.0)
+    rho_mode: str = opt("constant", "constant rho, or SPO's KL-adaptive clip(2^(-D/d_half), rho_min, 0.96) with D "
+                        "the last update's mean |log-prob change|", choices=["constant", "kl_adaptive"])
+    d_half: float = opt(0.06, lo=0.0, lo_open=True)
+    rho_min: float = opt(0.5, lo=0.0, hi=1.0)
+    reward_range: list[float] = opt([0.0, 1.0], "rewards are mapped linearly from this range to [0, 1] and clamped")
+    min_group: int = opt(4, "superflow: group size of the most certain prompts", lo=2)
+    max_group: int = opt(8, "superflow: group size of the most uncertain prompts", lo=2)
+    bins: int = opt(4, "superflow: priority bins between min_group and max_group", lo=1)
+    step_eta: float = opt(1.0, "superflow: step-level advantage eta * sigma_t * A (0 = off)", lo=0.0)
+
+
+@dataclass
+class CurriculumConfig:
+    """AdaGRPO (algorithm.name = ada_grpo): capability-aware prompt filtering."""
+
+    candidates: int = opt(10, "candidate prompts scored with one ODE anchor each per iteration", lo=1)
+    ema_alpha: float = opt(0.8, "EMA of the anchor scores' mean and variance", lo=0.0, hi=1.0)
+
+
+@dataclass
 class AlgorithmConfig:
     name: str = opt("flow_grpo", choices=["flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo",
-                                          "tempflow_grpo", "e_grpo", "chunk_grpo"])
+                                          "tempflow_grpo", "e_grpo", "chunk_grpo",
+                                          "superflow", "ada_grpo"])
     group_size: int = opt(4, "samples per prompt (G); branch_grpo: leaves per tree; tempflow/e_grpo: branches "
                           "per active step and seed", lo=2)
     shared_noise: bool = opt(False, "all G samples of a prompt start from the same noise (DanceGRPO)")
@@ -154,8 +181,11 @@ class AlgorithmConfig:
     tree: TreeConfig = field(default_factory=TreeConfig)
     side: SideConfig = field(default_factory=SideConfig)
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
-    loss_weight: str = opt("none", "per-edge loss weight: none, or TempFlow's noise-aware sigma_t sqrt(dt) "
-                           "normalised to mean 1 over the trained steps", choices=["none", "noise_aware"])
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    loss_weight: str = opt("none", "per-edge loss weight: none; TempFlow's noise-aware sigma_t sqrt(dt) normalised "
+                           "to mean 1 over the trained steps; or SuperFlow's eta * sigma_t (tracker.step_eta)",
+                           choices=["none", "noise_aware", "sigma_t"])
     max_batch: int = opt(64, "most tree nodes per transformer call", lo=1)
 
 
@@ -165,7 +195,13 @@ class AdvantageConfig:
     ddof: int = opt(0, "0 = numpy std (Flow-GRPO), 1 = torch.std (DanceGRPO)", lo=0, hi=1)
     eps: float = opt(1e-4, lo=0.0)
     clip: float = opt(5.0, "clip advantages to +-clip", lo=0.0, lo_open=True)
-    zero_std_threshold: float = opt(1e-6, "groups with std below this get zero advantage", lo=0.0)
+    zero_std_threshold: float = opt(1e-6, "groups with std below this count as zero-variance", lo=0.0)
+    zero_variance: str = opt("zero", "what zero-variance groups get: zero advantage (kept, no gradient), global "
+                             "(z-score against the batch mean and std), tracker (r - the prompt's Beta-tracker "
+                             "value, over the batch std), or drop_refill (roll out refill_extra more prompts and "
+                             "train on the first prompts_per_iter groups that vary)",
+                             choices=["zero", "global", "tracker", "drop_refill"])
+    refill_extra: int = opt(2, "drop_refill: extra prompts rolled out per iteration", lo=0)
 
 
 @dataclass

@@ -166,24 +166,26 @@ def sibling_noise(shape: tuple[int, ...], branch: int, mode: str, strength: floa
 def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape: tuple[int, ...], *,
             kernel: str, noise_level: float, generator: torch.Generator, max_batch: int = 64,
             guidance_scale: float = 1.0, negative=None, log_prob_reduce: str = "mean",
-            initial_noise: torch.Tensor | None = None, progress=None) -> Tree:
+            initial_noise: torch.Tensor | None = None, progress=None, roots: list[int] | None = None) -> Tree:
     """Run ``plan`` for every prompt row of ``cond`` (P prompts) and return the tree.
 
     Noise is drawn on the CPU from ``generator`` at full round size, independent of ``max_batch``, so the
     same seed gives the same tree whatever the batching. ``initial_noise`` (P * roots, C, H, W) overrides
-    the root draw (used by tests and sample grids).
+    the root draw (used by tests and sample grids). ``roots`` gives each prompt its own number of initial
+    noises (SuperFlow's per-prompt group sizes) instead of ``plan.roots_per_prompt``.
     """
     device = adapter.device
     num_prompts = cond.embeds.shape[0]
     t_steps = plan.num_steps
     sigmas = sigmas.float().cpu()
     sigma_at_one = float(sigmas[1])
-    n0 = num_prompts * plan.roots_per_prompt
+    roots = roots or [plan.roots_per_prompt] * num_prompts
+    n0 = sum(roots)
     if initial_noise is None:
         initial_noise = torch.randn((n0, *latent_shape), generator=generator)
     zeros, no = torch.zeros(n0), torch.zeros(n0, dtype=torch.bool)
     tree = Tree(sigmas, [initial_noise.float().to(device)], [torch.zeros(n0, dtype=torch.long)],
-                [torch.arange(num_prompts).repeat_interleave(plan.roots_per_prompt)], [torch.arange(n0)],
+                [torch.arange(num_prompts).repeat_interleave(torch.tensor(roots))], [torch.arange(n0)],
                 [torch.full((n0,), -1)], [torch.full((n0,), -1)], [zeros], [zeros], [zeros], [no], [no], plan,
                 [torch.zeros(n0, dtype=torch.long)])
 

@@ -6,6 +6,7 @@ reproducible on the CPU and ``resume`` continues it exactly.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import resource
@@ -29,6 +30,7 @@ from .rewards import build_reward_set
 from .samplers import RolloutPlan, StepSpec, make_sigmas
 from .samplers.kernels import step as kernel_step
 from .samplers.schedules import dynamic_shift_mu
+from .trackers import BetaTracker, CapabilityEMA, superflow_group_sizes
 
 
 def resolve_device(name: str) -> torch.device:
@@ -85,6 +87,17 @@ class Trainer:
         self.prompts = PromptSource.from_config(cfg.data, cfg.train.seed, DEFAULT_TINY_PROMPTS
                                                 if cfg.model.pretrained in (None, "", "tiny") else None)
         self.rewards = build_reward_set(cfg.rewards)
+        a = cfg.algorithm
+        t = a.tracker
+        if a.name == "superflow" and t.min_group > t.max_group:
+            raise ConfigError(f"algorithm.tracker.min_group ({t.min_group}) must not exceed max_group ({t.max_group})")
+        if t.reward_range[1] <= t.reward_range[0]:
+            raise ConfigError(f"algorithm.tracker.reward_range {t.reward_range} must be [low, high] with low < high")
+        self.tracker = (BetaTracker(t.rho, reward_range=tuple(t.reward_range), rho_mode=t.rho_mode, d_half=t.d_half,
+                                    rho_min=t.rho_min)
+                        if a.name == "superflow" or cfg.advantage.zero_variance == "tracker" else None)
+        self.capability = CapabilityEMA(a.curriculum.ema_alpha) if a.name == "ada_grpo" else None
+        self._last_divergence = None
         resume_dir = None
         if cfg.resume:
             resume_dir = self._find_resume(cfg, run_dir)
@@ -182,6 +195,12 @@ class Trainer:
         if self.ema is not None and "ema" in state:
             self.ema.load_state_dict(state["ema"])
         self.start_iteration = int(state["iteration"]) + 1
+        saved = json.loads((ckpt / "state.json").read_text()).get("algorithm_state", {})
+        if self.tracker is not None and "tracker" in saved:
+            self.tracker.load_state_dict(saved["tracker"])
+        if self.capability is not None and "capability" in saved:
+            self.capability.load_state_dict(saved["capability"])
+        self._last_divergence = saved.get("last_divergence")
 
     # ------------------------------------------------------------------------------------------ loop
     def train(self) -> Path:
@@ -250,15 +269,15 @@ class Trainer:
         cfg = self.cfg
         gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + it)
         plan = build_plan(cfg, it, random.Random(cfg.train.seed * 1_000_003 + it), self.sigmas)
-        prompts, metadata = self.prompts.batch(it, cfg.train.prompts_per_iter)
-        cond = self.adapter.encode_prompts(prompts)
         row: dict = {"iteration": it}
         t0 = time.perf_counter()
         self.adapter.transformer.eval()
+        prompts, metadata, roots = self._choose_prompts(it, gen, row)
+        cond = self.adapter.encode_prompts(prompts)
         tree = rollout(self.adapter, cond, plan, self.sigmas, self.latent_shape, kernel=cfg.sampler.kernel,
                        noise_level=cfg.sampler.noise_level, generator=gen, max_batch=cfg.algorithm.max_batch,
                        guidance_scale=cfg.sampler.guidance_scale, negative=self.negative,
-                       log_prob_reduce=cfg.train.log_prob_reduce)
+                       log_prob_reduce=cfg.train.log_prob_reduce, roots=roots)
         t1 = time.perf_counter()
         images = self.adapter.decode(tree.leaves)
         leaf_group = tree.leaf_group
@@ -266,11 +285,23 @@ class Trainer:
         t2 = time.perf_counter()
         if not torch.isfinite(scores.total).any():
             raise FlowRLError(f"iteration {it}: every reward was NaN/inf; check the reward function")
-        node_adv, keep, adv_stats = edge_advantages(cfg, tree, scores.total, it)
+        leaf_prompts = [prompts[g] for g in leaf_group.tolist()]
+        baselines = None
+        if self.tracker is not None:  # tracker values before this iteration's update, in reward units
+            lo, hi = cfg.algorithm.tracker.reward_range
+            baselines = torch.tensor([lo + (hi - lo) * self.tracker.value(p) for p in leaf_prompts])
+        capability = (self.capability.mean, self.capability.var ** 0.5) if self.capability is not None else None
+        node_adv, keep, adv_stats = edge_advantages(cfg, tree, scores.total, it, baselines, capability)
+        if cfg.advantage.zero_variance == "drop_refill":
+            keep = [k & m for k, m in zip(keep, self._refill_masks(tree, scores.total, adv_stats))]
+        if self.tracker is not None:
+            for g, p in enumerate(prompts):
+                self.tracker.update(p, scores.total[leaf_group == g], self._last_divergence)
         masks = select_edges(cfg, tree, gen)
         adv_stats["pruned_edges"] = sum(int((m & ~k).sum()) for m, k in zip(masks, keep))
         masks = [m & k for m, k in zip(masks, keep)]
         train_stats = self.update(tree, cond, node_adv, masks, gen)
+        self._last_divergence = train_stats.get("mean_abs_log_ratio")
         t3 = time.perf_counter()
         for name, values in [("total", scores.total)] + list(scores.components.items()):
             ok = values[torch.isfinite(values)]
@@ -293,6 +324,55 @@ class Trainer:
         if (it + 1) % 5 == 0 or it == 0:
             report.plot_reward_curve(self.run_dir)
         return row
+
+    # ------------------------------------------------------------------------------------------ prompts
+    def _choose_prompts(self, it: int, gen: torch.Generator, row: dict) -> tuple[list[str], list[dict], list[int] | None]:
+        """This iteration's prompts (and per-prompt group sizes for superflow).
+
+        - superflow: prompts drawn without replacement with probability ∝ the tracker's priority
+          sqrt(v (1 - v)); group size from the priority bin.
+        - ada_grpo: ``curriculum.candidates`` prompts, one ODE anchor each, scored; the capability EMA is
+          updated and the prompts whose anchor score is nearest it are kept.
+        - drop_refill: ``refill_extra`` more prompts than ``prompts_per_iter``.
+        """
+        cfg, a = self.cfg, self.cfg.algorithm
+        n = cfg.train.prompts_per_iter
+        if a.name == "superflow":
+            pool = self.prompts
+            w = torch.tensor([self.tracker.priority(p) for p in pool.prompts], dtype=torch.float64)
+            idx = torch.multinomial(w, min(n, len(w)), replacement=False, generator=gen).tolist()
+            prompts, metadata = [pool.prompts[i] for i in idx], [pool.metadata[i] for i in idx]
+            t = a.tracker
+            roots = superflow_group_sizes([self.tracker.priority(p) for p in prompts], t.min_group, t.max_group, t.bins)
+            row["group_size_mean"] = sum(roots) / len(roots)
+            return prompts, metadata, roots
+        if a.name == "ada_grpo":
+            cand, meta = self.prompts.batch(it, a.curriculum.candidates)
+            t0 = time.perf_counter()
+            anchors = sample_images(self.adapter, cand, [cfg.train.seed * 1_000_003 + it], self.sigmas,
+                                    self.latent_shape, cfg.sampler.guidance_scale, self.negative, cfg.algorithm.max_batch)
+            scores = self.rewards(anchors, cand, meta).total
+            self.capability.update(scores[torch.isfinite(scores)])
+            keep = self.capability.closest(torch.nan_to_num(scores, nan=float("inf")), n)
+            row.update({"curriculum/anchor_score_mean": float(scores.nanmean()), "curriculum/capability": self.capability.mean,
+                        "curriculum/seconds": time.perf_counter() - t0})
+            return [cand[i] for i in keep], [meta[i] for i in keep], None
+        extra = cfg.advantage.refill_extra if cfg.advantage.zero_variance == "drop_refill" else 0
+        prompts, metadata = self.prompts.batch(it, n + extra)
+        return prompts, metadata, None
+
+    def _refill_masks(self, tree: Tree, rewards: torch.Tensor, stats: dict) -> list[torch.Tensor]:
+        """drop_refill: train the first ``prompts_per_iter`` prompts whose rewards vary; the rest are dropped."""
+        groups = tree.leaf_group
+        varied = []
+        for g in groups.unique().tolist():
+            r = rewards[(groups == g) & torch.isfinite(rewards)]
+            if r.numel() > 1 and float(r.std(correction=0)) >= self.cfg.advantage.zero_std_threshold:
+                varied.append(g)
+        kept = set(varied[: self.cfg.train.prompts_per_iter])
+        stats["groups_dropped"] = int(groups.unique().numel()) - len(kept)
+        stats["groups_refilled"] = len([g for g in kept if g >= self.cfg.train.prompts_per_iter])
+        return [torch.tensor([int(g) in kept for g in grp.tolist()], dtype=torch.bool) for grp in tree.group]
 
     # ------------------------------------------------------------------------------------------ update
     def _units(self, tree: Tree, node_adv, masks) -> list[Unit]:
@@ -322,6 +402,16 @@ class Trainer:
                 per_step.setdefault(int(tree.index[r - 1][tree.parent[r][c]]), float(tree.std[r][c]))
         mean = sum(per_step.values()) / max(len(per_step), 1)
         return {k: v / mean for k, v in per_step.items()} if mean > 0 else {k: 1.0 for k in per_step}
+
+    def _sigma_t_weights(self, tree: Tree, masks) -> dict[int, float]:
+        """SuperFlow's step-level advantage eta * sigma_t * A as a per-step loss weight (the PPO-clip loss is
+        linear in a positive scale of A): sigma_t = a sqrt(sigma / (1 - sigma)), sigma = 1 -> sigma_1."""
+        a, eta = self.cfg.sampler.noise_level, self.cfg.algorithm.tracker.step_eta
+        out = {}
+        for i in range(tree.num_steps):
+            s = float(tree.sigmas[i]) if float(tree.sigmas[i]) < 1 else float(tree.sigmas[1])
+            out[i] = eta * a * math.sqrt(s / (1 - s)) if eta > 0 else 1.0
+        return out
 
     def _edge_terms(self, tree: Tree, units: list[Unit], cond, node_adv):
         """Forward one micro-batch of parent states; returns per-edge (log_prob, old, adv, kl, step index)."""
@@ -405,7 +495,8 @@ class Trainer:
         self.adapter.transformer.train()
         by_chunk = cfg.algorithm.name == "chunk_grpo"
         items = self._chunk_items(tree, node_adv, gen) if by_chunk else [[u] for u in self._units(tree, node_adv, masks)]
-        weights = self._noise_aware_weights(tree, masks) if cfg.algorithm.loss_weight == "noise_aware" else None
+        weights = {"noise_aware": self._noise_aware_weights, "sigma_t": self._sigma_t_weights}.get(
+            cfg.algorithm.loss_weight, lambda *_: None)(tree, masks)
         stats = {"trained_edges": sum(len(u.children) for it in items for u in it), "nfe_train": 0, "optimizer_steps": 0,
                  "clipfrac": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0, "ratio_std": 0.0, "policy_loss": 0.0,
                  "kl_loss": 0.0, "grad_norm": 0.0, "ratio_max_abs_dev_first_update": 0.0}
@@ -463,7 +554,7 @@ class Trainer:
             "clipfrac": float(torch.cat(clipped).mean()), "approx_kl": float(torch.cat(approx).mean()),
             "ratio_mean": float(r.mean()), "ratio_std": float(r.std(correction=0)),
             "policy_loss": float(torch.cat(pls).mean()), "kl_loss": float(torch.cat(kls).mean()),
-            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "grad_norm": sum(grad_norms) / len(grad_norms), "mean_abs_log_ratio": float(r.log().abs().mean()),
         })
         for step_idx in d.unique().tolist():
             stats[f"ratio_mean/step{step_idx}"] = float(r[d == step_idx].mean())
@@ -504,11 +595,16 @@ class Trainer:
 
     def save(self, it: int) -> Path:
         model = self.accelerator.unwrap_model(self.adapter.transformer)
+        algo_state = {"last_divergence": self._last_divergence}
+        if self.tracker is not None:
+            algo_state["tracker"] = self.tracker.state_dict()
+        if self.capability is not None:
+            algo_state["capability"] = self.capability.state_dict()
         return save_checkpoint(self.run_dir / "checkpoints" / f"iter_{it:05d}", model, self.optimizer, it,
-                               lora=self.cfg.train.lora.enabled, ema=self.ema, keep=self.cfg.log.keep_checkpoints)
+                               lora=self.cfg.train.lora.enabled, ema=self.ema, extra={"algorithm_state": algo_state},
+                               keep=self.cfg.log.keep_checkpoints)
 
 
-@torch.no_grad()
 def _micro_batches(items: list[list[Unit]], max_units: int):
     """Consecutive groups of work items holding at most ``max_units`` parent states (at least one item)."""
     group, size = [], 0
@@ -522,6 +618,7 @@ def _micro_batches(items: list[list[Unit]], max_units: int):
         yield group
 
 
+@torch.no_grad()
 def sample_images(adapter, prompts: list[str], seeds: list[int], sigmas: torch.Tensor, latent_shape,
                   guidance_scale: float = 1.0, negative=None, max_batch: int = 64) -> torch.Tensor:
     """ODE samples for every (prompt, seed), row-major by prompt: (P * S, 3, H, W) in [0, 1]."""
