@@ -155,7 +155,8 @@ def cmd_pretrain_tiny(args) -> int:
     from .pretrain import pretrain_tiny
 
     pretrain_tiny(args.work_dir, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                  save_every=args.save_every, grid_every=args.grid_every, export_dir=args.export_dir)
+                  save_every=args.save_every, grid_every=args.grid_every, export_dir=args.export_dir,
+                  decay_from=args.decay_from, lr_final=args.lr_final)
     return 0
 
 
