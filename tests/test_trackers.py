@@ -98,3 +98,30 @@ def test_ada_grpo_iteration(tmp_path):
     assert trainer.capability.count == 1 and row["curriculum/capability"] == pytest.approx(row["curriculum/anchor_score_mean"])
     assert row["trained_edges"] == 2 * 4 * 6 and row["nfe_train"] == 2 * 4
     assert row["ratio_max_abs_dev_first_update"] < 1e-5
+
+
+@pytest.mark.parametrize("config, extra", [("tiny_superflow.yaml", ["algorithm.tracker.min_group=2",
+                                                                     "algorithm.tracker.max_group=3"]),
+                                           ("tiny_ada_grpo.yaml", ["algorithm.curriculum.candidates=3",
+                                                                   "algorithm.side.steps=[0,1]"])])
+def test_resume_restores_tracker_state_exactly(tmp_path, config, extra):
+    """The tracker / capability EMA is part of the checkpoint: a resumed run repeats the uninterrupted one."""
+    from flowrl.report import read_metrics
+    from flowrl.trainer import Trainer
+
+    def cfg(sub, iters, *more):
+        return load_config(ROOT / "configs" / config, [f"log.output_dir={tmp_path / sub}", "log.run_name=t",
+                                                       "log.progress=false", "log.sample_every=0", "log.save_every=1",
+                                                       "sampler.num_steps=4", "train.prompts_per_iter=2",
+                                                       f"train.iterations={iters}", *extra, *more])
+
+    full = Trainer(cfg("a", 3))
+    full.train()
+    Trainer(cfg("b", 2)).train()
+    resumed = Trainer(cfg("b", 3, "resume=latest"))
+    assert resumed.start_iteration == 2
+    resumed.train()
+    a = read_metrics(full.run_dir / "metrics.jsonl")[2]
+    b = read_metrics(resumed.run_dir / "metrics.jsonl")[2]
+    for key in ["reward_mean/total", "ratio_mean", "leaves", "trained_edges"]:
+        assert a[key] == b[key], key
