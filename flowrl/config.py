@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -411,8 +412,11 @@ def _merge(base: dict, override: dict) -> dict:
     return out
 
 
-def parse_override(text: str) -> dict:
-    """``a.b.c=value`` -> {'a': {'b': {'c': value}}}, with value parsed as YAML (numbers, lists, bools)."""
+_INDEXED = re.compile(r"^(\w+)\[(\d+)\]$")
+
+
+def parse_override(text: str) -> tuple[list, object]:
+    """``a.b[1].c=value`` -> (['a', ('b', 1), 'c'], value), the value parsed as YAML (numbers, lists, bools)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like key.sub=value")
     key, raw = text.split("=", 1)
@@ -423,14 +427,44 @@ def parse_override(text: str) -> dict:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
-    node: dict = {}
-    cur = node
-    parts = key.split(".")
-    for p in parts[:-1]:
-        cur[p] = {}
-        cur = cur[p]
-    cur[parts[-1]] = value
-    return node
+    parts: list = []
+    for p in key.split("."):
+        m = _INDEXED.match(p)
+        parts.append((m.group(1), int(m.group(2))) if m else p)
+    return parts, value
+
+
+def apply_override(data: dict, text: str) -> dict:
+    """Set one override in the raw config mapping; ``name[i]`` indexes a list entry (``rewards[0].name=shapes``;
+    ``rewards[1].name=...`` appends a second reward)."""
+    parts, value = parse_override(text)
+    cur = data
+    for k, p in enumerate(parts):
+        last = k == len(parts) - 1
+        if isinstance(p, tuple):
+            name, idx = p
+            lst = cur.get(name)
+            if lst is None and name == "rewards":  # the default reward list, so rewards[0].weight=2 works alone
+                lst = [{"name": RewardSpec().name}]
+            lst = list(lst or [])
+            if idx > len(lst):
+                raise ConfigError(f"override {text!r}: {name} has {len(lst)} entries; index {idx} would leave a gap")
+            if idx == len(lst):
+                lst.append({})
+            cur[name] = lst
+            if last:
+                lst[idx] = value
+            else:
+                if not isinstance(lst[idx], dict):
+                    lst[idx] = {}
+                cur = lst[idx]
+        elif last:
+            cur[p] = _merge(cur[p], value) if isinstance(value, dict) and isinstance(cur.get(p), dict) else value
+        else:
+            if not isinstance(cur.get(p), dict):
+                cur[p] = {}
+            cur = cur[p]
+    return data
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -449,7 +483,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of config sections")
     for text in overrides or []:
-        data = _merge(data, parse_override(text))
+        data = apply_override(data, text)
     cfg = _build(Config, data)
     validate(cfg)
     return cfg

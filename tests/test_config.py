@@ -92,3 +92,14 @@ def test_reward_wrong_shape_and_nan(tmp_path):
     assert scores.invalid.tolist() == [True, False, True, False]
     assert torch.isnan(scores.total[0]) and torch.isfinite(scores.total[1])
     assert set(scores.components) == {"half_nan", "jpeg_incompressibility"}
+
+
+def test_indexed_overrides_edit_reward_lists():
+    from flowrl.config import load_config
+
+    cfg = load_config(None, ["rewards[0].weight=2", "rewards[1].name=shapes", "rewards[1].weight=0.5"])
+    assert [(r.name, r.weight) for r in cfg.rewards] == [("jpeg_compressibility", 2.0), ("shapes", 0.5)]
+    with pytest.raises(ConfigError, match="index 3 would leave a gap"):
+        load_config(None, ["rewards[3].name=shapes"])
+    with pytest.raises(ConfigError, match="rewards\\[0\\].wieght"):
+        load_config(None, ["rewards[0].wieght=2"])
