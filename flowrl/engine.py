@@ -86,29 +86,41 @@ class Tree:
             pos.append(p)
         return torch.cat(rounds), torch.cat(pos)
 
-    def _gather_leaves(self, values: list[torch.Tensor]) -> torch.Tensor:
+    @staticmethod
+    def gather(values: list[torch.Tensor], rounds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``values[rounds[k]][positions[k]]`` for every k, one indexing call per distinct round: (K, ...)."""
+        first = values[0]
+        out = first.new_empty((rounds.numel(), *first.shape[1:]))
+        for r in rounds.unique().tolist():
+            m = (rounds == r).nonzero().flatten()
+            src = values[r]
+            out[m.to(out.device)] = src[positions[m].to(src.device)]
+        return out
+
+    def leaf_values(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """Per-round node values -> the leaves' values (L, ...), in :meth:`leaf_positions` order."""
         return torch.cat([v[m.to(v.device)] for v, m in zip(values, self._leaf_masks())])
 
     @property
     def leaves(self) -> torch.Tensor:
-        return self._gather_leaves(self.latents)  # (L, C, H, W)
+        return self.leaf_values(self.latents)  # (L, C, H, W)
 
     @property
     def leaf_group(self) -> torch.Tensor:
-        return self._gather_leaves(self.group)
+        return self.leaf_values(self.group)
 
     @property
     def leaf_root(self) -> torch.Tensor:
-        return self._gather_leaves(self.root)
+        return self.leaf_values(self.root)
 
     @property
     def leaf_lineage(self) -> torch.Tensor:
-        return self._gather_leaves(self.lineage)
+        return self.leaf_values(self.lineage)
 
     @property
     def leaf_stride(self) -> torch.Tensor:
         """Completion granularity of each leaf (0 where a side jump landed on sigma_T or on the main line)."""
-        return self._gather_leaves(self.stride)
+        return self.leaf_values(self.stride)
 
     def num_edges(self) -> int:
         return sum(x.shape[0] for x in self.latents[1:])
@@ -236,10 +248,10 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
         comp = live[lineage[live] >= 0]
         if comp.numel():  # side branches are completed deterministically, `stride` indices per ODE step
             stride = tree.stride[r][comp]
-            fresh = stride == 0  # a side child that just jumped: one completion chain per granularity
-            grans = [plan.steps[int(lineage[c])].side_granularities for c in comp.tolist()]
-            par = torch.cat([comp[~fresh]] + [c.repeat(len(g)) for c, g, f in zip(comp, grans, fresh.tolist()) if f])
-            step_len = torch.cat([stride[~fresh]] + [torch.tensor(g) for g, f in zip(grans, fresh.tolist()) if f]).long()
+            fresh = comp[stride == 0]  # side children that just jumped: one completion chain per granularity
+            grans = [plan.steps[int(i)].side_granularities for i in lineage[fresh].tolist()]
+            par = torch.cat([comp[stride > 0]] + [c.repeat(len(g)) for c, g in zip(fresh, grans)])
+            step_len = torch.cat([stride[stride > 0]] + [torch.tensor(g) for g in grans]).long()
             ci = idx[par]
             cn = torch.minimum(ci + step_len, torch.tensor(t_steps))
             xs = kernel_step("ode", x[par.to(device)], v[par.to(device)], sigmas[ci], sigmas[cn], noise_level=0.0).sample

@@ -417,10 +417,12 @@ class Trainer:
         """Forward one micro-batch of parent states; returns per-edge (log_prob, old, adv, kl, step index)."""
         cfg = self.cfg
         dev = self.device
-        x = torch.stack([tree.latents[u.depth][u.parent] for u in units]).to(dev)  # (U, C, H, W)
-        parent_index = torch.tensor([int(tree.index[u.depth][u.parent]) for u in units])
+        p_rnd = torch.tensor([u.depth for u in units])  # (U,) round and position of each parent state
+        p_pos = torch.tensor([u.parent for u in units])
+        x = tree.gather(tree.latents, p_rnd, p_pos).to(dev)  # (U, C, H, W)
+        parent_index = tree.gather(tree.index, p_rnd, p_pos)
         sig = tree.sigmas[parent_index].to(dev)
-        rows = torch.tensor([int(tree.group[u.depth][u.parent]) for u in units], device=dev)
+        rows = tree.gather(tree.group, p_rnd, p_pos).to(dev)
         g = cfg.sampler.guidance_scale if cfg.train.cfg else 1.0
         with self.accelerator.autocast():
             v = self.adapter.velocity(x, sig, cond.index(rows), g, self.negative)  # (U, C, H, W)
@@ -432,12 +434,12 @@ class Trainer:
         pos = torch.tensor([i for i, u in enumerate(units) for _ in u.children], device=dev)
         rnd = torch.tensor([u.depth + 1 for u in units for _ in u.children])
         child = torch.tensor([c for u in units for c in u.children])
-        prev = torch.stack([tree.latents[r][c] for r, c in zip(rnd.tolist(), child.tolist())]).to(dev)
-        old = torch.stack([tree.log_prob[r][c] for r, c in zip(rnd.tolist(), child.tolist())])
-        adv = torch.stack([node_adv[r][c] for r, c in zip(rnd.tolist(), child.tolist())]).float()
-        level = torch.stack([tree.level[r][c] for r, c in zip(rnd.tolist(), child.tolist())])
+        prev = tree.gather(tree.latents, rnd, child).to(dev)
+        old = tree.gather(tree.log_prob, rnd, child)
+        adv = tree.gather(node_adv, rnd, child).float()
+        level = tree.gather(tree.level, rnd, child)
         s = tree.sigmas[parent_index[pos.cpu()]]
-        s_next = tree.sigmas[torch.stack([tree.index[r][c] for r, c in zip(rnd.tolist(), child.tolist())])]
+        s_next = tree.sigmas[tree.gather(tree.index, rnd, child)]
         logp = torch.empty(len(child), device=dev)
         kl = torch.zeros(len(child), device=dev)
         sigma_at_one = float(tree.sigmas[1])

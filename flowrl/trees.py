@@ -34,9 +34,7 @@ def fuse_rewards(tree: Tree, leaf_rewards: torch.Tensor, mode: str = "uniform", 
     ok = torch.isfinite(leaf_rewards)
     if mode == "path_weighted":
         # w_l^(n) ∝ exp(beta * (cum_l - cum_n)); cum_n is shared by all l below n, so exp(beta * cum_l) suffices
-        rounds, pos = tree.leaf_positions()
-        path = _cumulative_log_prob(tree)
-        cum_leaf = torch.stack([path[r][p] for r, p in zip(rounds.tolist(), pos.tolist())]) if len(rounds) else leaf_rewards
+        cum_leaf = tree.leaf_values(_cumulative_log_prob(tree))
         logits = torch.where(ok, beta * cum_leaf, -torch.inf)
         w = torch.exp(logits - logits[ok].max())  # a global shift cancels in every ratio
         num = tree.per_node(torch.where(ok, w * leaf_rewards, 0.0))
@@ -125,8 +123,7 @@ def width_prune_masks(tree: Tree, last_split: int, mode: str, values: list[torch
                 kids = torch.nonzero(par == p).flatten()
                 chain_keep[kids[values[split_round][kids].argmax()]] = True
         else:
-            rounds, pos = tree.leaf_positions()
-            leaf_chain = torch.stack([chains[r][p] for r, p in zip(rounds.tolist(), pos.tolist())])
+            leaf_chain = tree.leaf_values(chains)
             leaf_root = tree.leaf_root
             for root in leaf_root.unique().tolist():
                 m = torch.nonzero((leaf_root == root) & torch.isfinite(leaf_rewards)).flatten()
