@@ -1,9 +1,17 @@
-"""CLIP score with open_clip backbones, including the tiny shapes CLIP that ships in ``assets/tiny_clip``.
+"""CLIP score with open_clip or transformers backbones, including the tiny shapes CLIP in ``assets/tiny_clip``.
 
-score = cosine(image embedding, text embedding) by default (``convention="cosine"``); ``"clipscore"`` gives
-``max(100 * cos, 0)`` (Hessel et al.). Images arrive as (N, 3, H, W) in [0, 1] and are resized (bicubic,
-antialiased) to the model's input size and normalised with the OpenAI CLIP mean/std, as open_clip's
-``preprocess_val`` does for square images.
+cos = cosine(projected image embedding, projected text embedding). ``convention`` picks the scale (they differ
+between papers; GRPO's per-group z-score removes the scale, multi-reward weights and logs do not):
+
+- ``cosine`` (default): raw cos, DanceGRPO's multi-reward CLIP term (about 0.3-0.4 on real models);
+- ``clipscore``: max(100 cos, 0), torchmetrics' CLIPScore;
+- ``hessel``: 2.5 max(cos, 0), Hessel et al. 2021;
+- ``flow_grpo``: logit_scale.exp() cos / 30 with no clamp (about 0.8-1.1), Flow-GRPO's ``clipscore``, which
+  also preprocesses with a float-tensor bilinear resize and centre crop (``preprocess=tensor_bilinear``).
+
+Backends: ``backend="open_clip"`` (model name + pretrained tag or local checkpoint; the shipped tiny CLIP is
+``model="tiny-shapes"``) or ``backend="transformers"`` (a CLIPModel folder or hub id, e.g.
+openai/clip-vit-large-patch14). Images arrive as (N, 3, H, W) in [0, 1].
 """
 
 from __future__ import annotations
@@ -15,10 +23,10 @@ import torch
 
 from flowrl.errors import RewardError
 
+from .backbones import PREPROCESS_MODES, HFClip, clip_pixels, normalize
+from .loading import check_images, load_strict
 from .registry import register_reward
 
-OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 TINY_CLIP_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny_clip"
 
 
@@ -53,9 +61,7 @@ def load_tiny_clip(path: str | Path | None = None):
     config = json.loads(cfg_path.read_text())["model_cfg"]
     model = build_open_clip(config)
     state = {k: v.float() for k, v in load_file(str(weights)).items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise RewardError(f"{weights}: keys do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    load_strict(model, state, str(weights))
     tokenizer = open_clip.tokenizer.SimpleTokenizer(context_length=config["text_cfg"]["context_length"])
     return model.eval(), tokenizer
 
@@ -65,25 +71,48 @@ def preprocess(images: torch.Tensor, size: int) -> torch.Tensor:
     x = images.float()
     if x.shape[-1] != size or x.shape[-2] != size:
         x = torch.nn.functional.interpolate(x, size=(size, size), mode="bicubic", align_corners=False, antialias=True)
-    mean = torch.tensor(OPENAI_MEAN, device=x.device).view(1, 3, 1, 1)
-    std = torch.tensor(OPENAI_STD, device=x.device).view(1, 3, 1, 1)
-    return (x.clamp(0, 1) - mean) / std
+    return normalize(x.clamp(0, 1))
+
+
+CONVENTIONS = ("cosine", "clipscore", "hessel", "flow_grpo")
+
+
+def scale_cosine(cos: torch.Tensor, convention: str, logit_scale: float) -> torch.Tensor:
+    """Raw cosines -> the chosen CLIP-score convention (see the module docstring)."""
+    if convention == "cosine":
+        return cos
+    if convention == "clipscore":
+        return (100 * cos).clamp_min(0)
+    if convention == "hessel":
+        return 2.5 * cos.clamp_min(0)
+    return logit_scale * cos / 30.0  # flow_grpo
 
 
 @register_reward("clip")
 class ClipScore:
     """CLIP score. ``model="tiny-shapes"`` (default) uses the shipped tiny CLIP; otherwise an open_clip model
-    name with ``pretrained`` (a tag the user's machine can download, or a local checkpoint path)."""
+    name with ``pretrained`` (a tag the user's machine can download, or a local checkpoint path), or with
+    ``backend="transformers"`` a CLIPModel folder or hub id. ``preprocess``: ``pil`` (the references' uint8 PIL
+    path), ``tensor_bilinear`` (Flow-GRPO's), ``letterbox``; default ``tensor_bilinear`` for the flow_grpo
+    convention and ``pil`` otherwise (the tiny CLIP: a bicubic antialiased resize, as it was trained)."""
 
     def __init__(self, model: str = "tiny-shapes", pretrained: str | None = None, convention: str = "cosine",
+                 backend: str = "open_clip", preprocess: str | None = None, processor: str | None = None,
                  device: str = "cpu"):
-        if convention not in ("cosine", "clipscore"):
-            raise RewardError(f"clip reward: convention {convention!r} must be 'cosine' or 'clipscore'")
-        self.convention, self.device = convention, torch.device(device)
-        if model == "tiny-shapes":
+        if convention not in CONVENTIONS:
+            raise RewardError(f"clip reward: convention {convention!r} must be one of {', '.join(CONVENTIONS)}")
+        if backend not in ("open_clip", "transformers"):
+            raise RewardError(f"clip reward: backend {backend!r} must be 'open_clip' or 'transformers'")
+        self.convention, self.backend, self.device = convention, backend, torch.device(device)
+        self.preprocess = preprocess or ("tensor_bilinear" if convention == "flow_grpo" else "pil")
+        if self.preprocess not in PREPROCESS_MODES:
+            raise RewardError(f"clip reward: preprocess {self.preprocess!r} must be one of {', '.join(PREPROCESS_MODES)}")
+        self.tiny = model == "tiny-shapes"
+        if backend == "transformers":
+            self.hf = HFClip("clip", model, processor, device)
+            return
+        if self.tiny:
             self.model, self.tokenizer = load_tiny_clip(pretrained)
-            self.size = self.model.visual.image_size[0] if isinstance(self.model.visual.image_size, tuple) \
-                else self.model.visual.image_size
         else:
             import open_clip
 
@@ -93,16 +122,32 @@ class ClipScore:
                 raise RewardError(f"clip reward: cannot load open_clip model {model!r} with pretrained={pretrained!r} "
                                   f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
             self.tokenizer = open_clip.get_tokenizer(model)
-            self.size = self.model.visual.image_size[0]
+        size = self.model.visual.image_size
+        self.size = size[0] if isinstance(size, (tuple, list)) else int(size)
         self.model = self.model.to(self.device).eval().requires_grad_(False)
 
+    @property
+    def logit_scale(self) -> float:
+        return self.hf.logit_scale if self.backend == "transformers" else float(self.model.logit_scale.exp())
+
     @torch.no_grad()
+    def embed_images(self, images: torch.Tensor) -> torch.Tensor:
+        """(N, 3, H, W) in [0, 1] -> normalised image embeddings (N, D)."""
+        if self.backend == "transformers":
+            return self.hf.embed_images(images, self.preprocess)
+        pixels = preprocess(images, self.size) if self.tiny else clip_pixels(images, self.size, self.preprocess)
+        return self.model.encode_image(pixels.to(self.device), normalize=True).float()
+
+    @torch.no_grad()
+    def embed_text(self, prompts: list[str]) -> torch.Tensor:
+        if self.backend == "transformers":
+            return self.hf.embed_text(prompts)
+        return self.model.encode_text(self.tokenizer(prompts).to(self.device), normalize=True).float()
+
     def embed(self, images: torch.Tensor, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        img = self.model.encode_image(preprocess(images.to(self.device), self.size), normalize=True)
-        txt = self.model.encode_text(self.tokenizer(prompts).to(self.device), normalize=True)
-        return img, txt
+        return self.embed_images(images), self.embed_text(list(prompts))
 
     def __call__(self, images, prompts, metadata=None):
+        check_images("clip", images)
         img, txt = self.embed(images, prompts)
-        cos = (img * txt).sum(-1).float().cpu()
-        return (100 * cos).clamp_min(0) if self.convention == "clipscore" else cos
+        return scale_cosine((img * txt).sum(-1).float().cpu(), self.convention, self.logit_scale)

@@ -1,0 +1,136 @@
+"""Remote scoring: run a reward in its own process (its own environment if need be) behind a small HTTP API.
+
+Server (``flowrl serve-reward NAME [--args JSON] [--host 127.0.0.1] [--port 8765]``):
+- ``GET /health`` -> ``{"reward": NAME}``;
+- ``POST /score`` with a safetensors body: tensor ``images`` ((N, 3, H, W) or videos (N, F, 3, H, W), float in
+  [0, 1]) and metadata ``prompts`` / ``metadata`` (JSON lists) -> ``{"scores": [...]}`` (NaN as null), or
+  ``{"error": "..."}`` with status 400 / 500.
+
+Client: the ``remote`` reward (``args: {url: http://127.0.0.1:8765, timeout: 60, retries: 3}``) sends the same
+body, retries connection failures and timeouts with a growing pause, and then fails with one line naming the
+URL and how to start the server; a reward error on the server is reported, not retried.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from flowrl.errors import RewardError
+
+from .registry import build_reward, register_reward
+
+
+def encode_request(images: torch.Tensor, prompts: list[str], metadata: list[dict] | None) -> bytes:
+    from safetensors.torch import save
+
+    meta = {"prompts": json.dumps(list(prompts)), "metadata": json.dumps(metadata or [{} for _ in prompts])}
+    return save({"images": images.detach().float().cpu().contiguous()}, metadata=meta)
+
+
+def decode_request(body: bytes) -> tuple[torch.Tensor, list[str], list[dict]]:
+    from safetensors.torch import load
+
+    images = load(body)["images"]
+    # the header (its first 8 bytes give its length) carries prompts and metadata as JSON strings
+    n = int.from_bytes(body[:8], "little")
+    header = json.loads(body[8:8 + n])
+    meta = header.get("__metadata__", {})
+    return images, json.loads(meta.get("prompts", "[]")), json.loads(meta.get("metadata", "[]"))
+
+
+def make_server(name: str, args: dict | None = None, host: str = "127.0.0.1", port: int = 8765,
+                scorer=None) -> ThreadingHTTPServer:
+    """A ready (not yet serving) HTTP server around reward ``name``; ``port=0`` picks a free port."""
+    scorer = scorer or build_reward(name, **(args or {}))
+
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, status: int, obj: dict) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802 (http.server's naming)
+            if self.path.rstrip("/") == "/health":
+                self._reply(200, {"reward": name})
+            else:
+                self._reply(404, {"error": f"unknown path {self.path}; use GET /health or POST /score"})
+
+        def do_POST(self):  # noqa: N802
+            if self.path.rstrip("/") != "/score":
+                self._reply(404, {"error": f"unknown path {self.path}; use POST /score"})
+                return
+            try:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                images, prompts, metadata = decode_request(body)
+            except Exception as exc:
+                self._reply(400, {"error": f"bad request body ({exc}); send safetensors with an 'images' tensor"})
+                return
+            try:
+                scores = torch.as_tensor(scorer(images, prompts, metadata), dtype=torch.float64).flatten().tolist()
+            except Exception as exc:
+                self._reply(500, {"error": f"reward {name!r} failed: {str(exc).splitlines()[0] if str(exc) else exc!r}"})
+                return
+            self._reply(200, {"scores": [s if math.isfinite(s) else None for s in scores]})
+
+        def log_message(self, fmt, *a):  # quiet: one line per request would flood the trainer's terminal
+            pass
+
+    return ThreadingHTTPServer((host, port), Handler)
+
+
+def serve(name: str, args: dict | None = None, host: str = "127.0.0.1", port: int = 8765) -> None:
+    server = make_server(name, args, host, port)
+    print(f"serving reward {name!r} on http://{host}:{server.server_address[1]}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+@register_reward("remote")
+class RemoteReward:
+    def __init__(self, url: str = "http://127.0.0.1:8765", timeout: float = 60.0, retries: int = 3,
+                 backoff: float = 0.5):
+        if not url.startswith(("http://", "https://")):
+            raise RewardError(f"remote reward: url {url!r} must start with http:// or https://")
+        if retries < 1 or timeout <= 0:
+            raise RewardError("remote reward: retries must be >= 1 and timeout > 0")
+        self.url, self.timeout, self.retries, self.backoff = url.rstrip("/"), timeout, retries, backoff
+
+    def __call__(self, images, prompts, metadata=None):
+        body = encode_request(images, prompts, metadata)
+        request = urllib.request.Request(self.url + "/score", data=body, method="POST",
+                                         headers={"Content-Type": "application/octet-stream"})
+        last = None
+        for attempt in range(self.retries):
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as resp:
+                    payload = json.loads(resp.read())
+                break
+            except urllib.error.HTTPError as exc:  # the server answered: its message says what is wrong
+                try:
+                    msg = json.loads(exc.read()).get("error", str(exc))
+                except Exception:
+                    msg = str(exc)
+                raise RewardError(f"remote reward at {self.url}: {msg}") from exc
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
+                last = getattr(exc, "reason", exc)
+                if attempt + 1 < self.retries:
+                    time.sleep(self.backoff * 2 ** attempt)
+        else:
+            raise RewardError(f"remote reward at {self.url} is not answering ({last}) after {self.retries} tries; "
+                              f"start it with `flowrl serve-reward NAME --port PORT` or fix args.url")
+        scores = [math.nan if s is None else float(s) for s in payload.get("scores", [])]
+        return torch.tensor(scores, dtype=torch.float64)
