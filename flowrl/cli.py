@@ -168,6 +168,19 @@ def cmd_pretrain_tiny_clip(args) -> int:
     return 0
 
 
+def cmd_serve_reward(args) -> int:
+    from .rewards.remote import serve
+
+    try:
+        reward_args = json.loads(args.args) if args.args else {}
+    except json.JSONDecodeError as exc:
+        raise FlowRLError(f"--args must be a JSON object such as '{{\"scale\": 26}}' ({exc.msg})") from exc
+    if not isinstance(reward_args, dict):
+        raise FlowRLError("--args must be a JSON object")
+    serve(args.name, reward_args, args.host, args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowrl", description="GRPO fine-tuning of flow-matching models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -219,6 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="step at which a cosine learning-rate decay starts (ends at --steps); default constant")
     pt.add_argument("--lr-final", type=float, default=0.1, help="final learning rate as a fraction of --lr")
     pt.set_defaults(func=cmd_pretrain_tiny)
+    sr = sub.add_parser("serve-reward", help="serve a reward over HTTP (POST /score) for the `remote` reward")
+    sr.add_argument("name", help="registered reward name or module:function")
+    sr.add_argument("--args", help="the reward's keyword arguments as a JSON object")
+    sr.add_argument("--host", default="127.0.0.1")
+    sr.add_argument("--port", type=int, default=8765, help="0 picks a free port (printed on the first line)")
+    sr.set_defaults(func=cmd_serve_reward)
+
     pc = sub.add_parser("pretrain-tiny-clip", help="train the tiny shapes CLIP (open_clip architecture) on the CPU")
     pc.add_argument("--steps", type=int, default=1500)
     pc.add_argument("--batch", type=int, default=64)
