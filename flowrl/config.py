@@ -203,6 +203,9 @@ class AdvantageConfig:
                              "train on the first prompts_per_iter groups that vary)",
                              choices=["zero", "global", "tracker", "drop_refill"])
     refill_extra: int = opt(2, "drop_refill: extra prompts rolled out per iteration", lo=0)
+    combine: str = opt("sum", "several rewards: 'sum' = advantages of the weighted reward sum (Flow-GRPO); "
+                       "'per_reward' = each reward's own advantage (normalised in its own groups), weighted and "
+                       "summed (DanceGRPO's multi-reward)", choices=["sum", "per_reward"])
 
 
 @dataclass
@@ -502,6 +505,10 @@ def validate(cfg: Config) -> None:
                               f"{t}; lower the size or raise sampler.num_steps")
     if not cfg.rewards:
         raise ConfigError("rewards: list at least one reward, e.g. rewards=[{name: jpeg_compressibility}]")
+    if cfg.advantage.combine == "per_reward" and (cfg.algorithm.name in ("superflow", "ada_grpo")
+                                                  or cfg.advantage.zero_variance in ("tracker", "drop_refill")):
+        raise ConfigError("advantage.combine=per_reward: the prompt trackers of superflow / ada_grpo / "
+                          "zero_variance tracker|drop_refill follow the summed reward; use advantage.combine=sum")
     if len(cfg.train.betas) != 2:
         raise ConfigError("train.betas: expected two numbers, e.g. [0.9, 0.999]")
     if cfg.train.kl_beta > 0 and not cfg.train.lora.enabled:

@@ -292,6 +292,8 @@ class Trainer:
             baselines = torch.tensor([lo + (hi - lo) * self.tracker.value(p) for p in leaf_prompts])
         capability = (self.capability.mean, self.capability.var ** 0.5) if self.capability is not None else None
         node_adv, keep, adv_stats = edge_advantages(cfg, tree, scores.total, it, baselines, capability)
+        if cfg.advantage.combine == "per_reward" and len(self.rewards.items) > 1:
+            node_adv, keep = per_reward_advantages(cfg, tree, scores, self.rewards.weights, it)
         if cfg.advantage.zero_variance == "drop_refill":
             keep = [k & m for k, m in zip(keep, self._refill_masks(tree, scores.total, adv_stats))]
         if self.tracker is not None:
@@ -618,6 +620,18 @@ def _micro_batches(items: list[list[Unit]], max_units: int):
         size += len(it)
     if group:
         yield group
+
+
+def per_reward_advantages(cfg, tree: Tree, scores, weights: dict[str, float], it: int):
+    """DanceGRPO's multi-reward rule: A = sum_i w_i A_i, each A_i normalised within its own groups from reward i
+    alone (so a reward on a large scale cannot drown a small one). Edges kept by every component stay kept."""
+    total, keep = None, None
+    for name, values in scores.components.items():
+        values = torch.where(scores.invalid, torch.nan, values)  # a leaf invalid in any reward is out of all
+        adv, k, _ = edge_advantages(cfg, tree, values, it)
+        total = [weights[name] * a for a in adv] if total is None else [t + weights[name] * a for t, a in zip(total, adv)]
+        keep = k if keep is None else [x & y for x, y in zip(keep, k)]
+    return total, keep
 
 
 @torch.no_grad()

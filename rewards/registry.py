@@ -73,6 +73,10 @@ class RewardSet:
     def names(self) -> list[str]:
         return [n for n, _, _ in self.items]
 
+    @property
+    def weights(self) -> dict[str, float]:
+        return {n: w for n, w, _ in self.items}
+
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> RewardScores:
         n = images.shape[0]
         metadata = metadata if metadata is not None else [{} for _ in range(n)]
@@ -98,5 +102,8 @@ def build_reward_set(specs) -> RewardSet:
     items = []
     for spec in specs:
         label = spec.name if ":" not in spec.name else spec.name.split(":")[-1]
+        taken = {n for n, _, _ in items}
+        if label in taken:  # the same reward twice (e.g. two CLIP conventions): clip, clip_2, ...
+            label = next(f"{label}_{k}" for k in range(2, len(items) + 3) if f"{label}_{k}" not in taken)
         items.append((label, float(spec.weight), build_reward(spec.name, **dict(spec.args))))
     return RewardSet(items)
