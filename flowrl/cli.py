@@ -130,13 +130,37 @@ def cmd_bench(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    """Held-out shapes accuracy of the shipped model (no arguments) or of a run's LoRA checkpoint."""
-    from .evaluate import shapes_accuracy
+    """Held-out shapes accuracy of the shipped model (no arguments) or of a run's LoRA checkpoint; with
+    --prompts / --reward, the papers' reward table (mean and std per metric) on a prompt file, also as CSV."""
+    from .evaluate import format_table, reward_table, shapes_accuracy, write_csv_atomic
     from .models import SD3Adapter
     from .trainer import resolve_device, sigmas_for
 
     default = Path(__file__).resolve().parent.parent / "configs" / "tiny_shapes_flow_grpo.yaml"
     ckpt, cfg = _checkpoint_and_config(args, default)
+    table_mode = bool(args.prompts or args.reward)
+    if table_mode:  # everything that can fail on bad input before any sampling
+        from .config import RewardSpec
+        from .prompts import prompt_set, read_prompt_file
+        from .rewards import build_reward_set
+
+        if args.prompts:
+            prompts, metadata = read_prompt_file(args.prompts)
+            if not prompts:
+                raise FlowRLError(f"--prompts {args.prompts}: the file holds no prompts")
+        else:
+            prompts = prompt_set(args.split)
+            metadata = [{} for _ in prompts]
+        try:
+            reward_args = [json.loads(a) for a in (args.reward_args or [])]
+        except json.JSONDecodeError as exc:
+            raise FlowRLError(f"--reward-args must be JSON objects ({exc.msg})") from exc
+        names = args.reward or []
+        if len(reward_args) > len(names):
+            raise FlowRLError("--reward-args: one per --reward, in the same order")
+        specs = ([RewardSpec(name=n, args=reward_args[i] if i < len(reward_args) else {}) for i, n in enumerate(names)]
+                 or cfg.rewards)
+        reward_set = build_reward_set(specs)
     adapter = SD3Adapter.from_config(cfg.model, resolve_device(cfg.device))
     if ckpt is not None:
         _apply_lora_checkpoint(adapter, cfg, ckpt, "eval")
@@ -144,10 +168,22 @@ def cmd_eval(args) -> int:
     sig = sigmas_for(cfg, adapter, args.steps or cfg.sampler.eval_num_steps)
     g = cfg.sampler.guidance_scale if args.cfg is None else args.cfg
     neg = adapter.encode_prompts([cfg.sampler.negative_prompt]) if g > 1 else None
-    result = shapes_accuracy(adapter, sig, seeds, g, neg, split=args.split)
-    result.update({"model": cfg.model.pretrained, "checkpoint": str(ckpt) if ckpt else None,
-                   "steps": len(sig) - 1, "guidance_scale": g})
-    print(json.dumps(result))
+    info = {"model": cfg.model.pretrained, "checkpoint": str(ckpt) if ckpt else None, "steps": len(sig) - 1,
+            "guidance_scale": g}
+    if not table_mode:
+        result = shapes_accuracy(adapter, sig, seeds, g, neg, split=args.split)
+        result.update(info)
+        print(json.dumps(result))
+        return 0
+    summary, samples = reward_table(adapter, prompts, metadata, seeds, sig, reward_set, g, neg,
+                                    cfg.algorithm.max_batch, progress=cfg.log.progress)
+    out = Path(args.csv)
+    write_csv_atomic(samples, out.with_name(out.stem + "_samples.csv"))
+    write_csv_atomic(summary, out)
+    print(format_table(summary))
+    print(json.dumps({**info, "prompts": len(prompts), "seeds": seeds, "csv": str(out),
+                      "samples_csv": str(out.with_name(out.stem + "_samples.csv")),
+                      "metrics": {r["metric"]: [round(r["mean"], 6), round(r["std"], 6)] for r in summary}}))
     return 0
 
 
@@ -210,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("overrides", nargs="*", help="more configs (compared with the first) and overrides for all")
     b.add_argument("--repeats", type=int, default=1)
     b.set_defaults(func=cmd_bench)
-    e = sub.add_parser("eval", help="held-out shapes accuracy of the shipped model or a checkpoint (one JSON line)")
+    e = sub.add_parser("eval", help="held-out shapes accuracy (one JSON line), or with --prompts/--reward a reward table + CSV")
     e.add_argument("config", nargs="?")
     e.add_argument("overrides", nargs="*")
     e.add_argument("--checkpoint")
@@ -218,6 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seeds", help="comma-separated seeds (default log.eval_seeds)")
     e.add_argument("--steps", type=int)
     e.add_argument("--cfg", type=float, help="guidance scale (default sampler.guidance_scale)")
+    e.add_argument("--prompts", help="prompt file (.txt one per line, or .jsonl with 'prompt' and metadata): "
+                   "print the reward table instead of the shapes accuracy")
+    e.add_argument("--reward", action="append", help="reward to score with (repeatable; default: the config's)")
+    e.add_argument("--reward-args", action="append", help="JSON keyword arguments for the matching --reward")
+    e.add_argument("--csv", default="eval.csv", help="summary CSV (per-image scores go to <name>_samples.csv)")
     e.set_defaults(func=cmd_eval)
     pt = sub.add_parser("pretrain-tiny", help="pretrain the embedded tiny model on the shapes domain (CPU, resumable)")
     pt.add_argument("--work-dir", default="runs/pretrain-tiny", help="state, grids; rerun to resume")

@@ -62,3 +62,37 @@ def test_bench_prints_json(capsys, tmp_path):
     assert out["rollout_max_batch_1"]["transformer_calls"] == 4 * 16
     assert out["rollout_batched"]["transformer_calls"] == 4
     assert out["speedup_batched_vs_1"] > 0
+
+
+def test_eval_reward_table_is_reproducible(tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a red circle on a blue background", "tag": "circle"}\n\n'
+                       '{"prompt": "a green square on a white background", "tag": "square"}\n')
+    args = ["eval", str(ROOT / "configs/tiny_default.yaml"), "log.progress=false", "--prompts", str(prompts),
+            "--reward", "jpeg_incompressibility", "--reward", "tests.helpers:brightness", "--seeds", "0,1,2"]
+    outs = []
+    for k in range(2):
+        assert main(args + ["--csv", str(tmp_path / f"e{k}.csv")]) == 0
+        outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert outs[0]["metrics"] == outs[1]["metrics"]  # same prompts and seeds -> same numbers
+    assert set(outs[0]["metrics"]) == {"jpeg_incompressibility", "brightness", "total"}
+    import csv
+
+    rows = list(csv.DictReader(open(tmp_path / "e0_samples.csv")))
+    assert len(rows) == 6 and rows[0]["seed"] == "0"
+    bright = [float(r["brightness"]) for r in rows]
+    mean, std = outs[0]["metrics"]["brightness"]
+    assert abs(mean - sum(bright) / 6) < 1e-5
+    assert abs(std - (sum((b - sum(bright) / 6) ** 2 for b in bright) / 5) ** 0.5) < 1e-5  # ddof 1
+
+
+def test_eval_bad_prompt_file_is_one_clear_line(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    assert main(["eval", str(ROOT / "configs/tiny_default.yaml"), "--prompts", str(empty), "--reward", "jpeg_incompressibility",
+                 "--csv", str(tmp_path / "e.csv")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("flowrl: error: --prompts") and "no prompts" in err[-1]
+    assert not (tmp_path / "e.csv").exists()
+    assert main(["eval", "--prompts", str(tmp_path / "missing.txt"), "--reward", "clip"]) == 2
+    assert "file not found" in capsys.readouterr().err
