@@ -70,6 +70,9 @@ class SamplerConfig:
     guidance_scale: float = opt(1.0, "CFG scale in rollout and training (1 = off)", lo=0.0)
     negative_prompt: str = opt("", "negative prompt used with CFG")
     eval_num_steps: int = opt(10, "ODE steps for sample grids and evaluation", lo=1)
+    rollout_batches: int = opt(1, "split each iteration's prompts into this many rollout batches (memory; and with "
+                               "async_reward, scoring batch k overlaps the rollout of batch k+1)", lo=1)
+    async_reward: bool = opt(True, "score a rollout batch in a background thread while the next batch is rolled out")
 
 
 @dataclass

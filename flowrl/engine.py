@@ -66,6 +66,35 @@ class Tree:
                    [torch.zeros(k) for k in n], [torch.ones(k, dtype=torch.bool) for k in n],
                    [torch.ones(k, dtype=torch.bool) for k in n], plan, [torch.zeros(k, dtype=torch.long) for k in n])
 
+    @classmethod
+    def concat(cls, trees: list["Tree"]) -> "Tree":
+        """One tree from rollouts of consecutive prompt batches under the same plan (async scoring rolls out
+        batch by batch): prompt rows, root ids and parent positions are shifted past the earlier batches."""
+        if len(trees) == 1:
+            return trees[0]
+        rounds = trees[0].num_rounds
+        if any(t.num_rounds != rounds for t in trees):
+            raise ValueError("Tree.concat: the trees come from different plans")
+        plain = ("latents", "index", "lineage", "log_prob", "std", "level", "sde", "trained", "stride")
+        out = {name: [[] for _ in range(rounds + 1)] for name in plain + ("group", "root", "parent")}
+        sizes = [0] * (rounds + 1)  # nodes per round in the batches already added
+        prompts = roots = 0
+        for t in trees:
+            for r in range(rounds + 1):
+                for name in plain:
+                    out[name][r].append(getattr(t, name)[r])
+                out["group"][r].append(t.group[r] + prompts)
+                out["root"][r].append(t.root[r] + roots)
+                out["parent"][r].append(t.parent[r] if r == 0 else t.parent[r] + sizes[r - 1])
+            sizes = [n + x.shape[0] for n, x in zip(sizes, t.latents)]
+            prompts += int(t.group[0].max()) + 1
+            roots += t.latents[0].shape[0]
+        merged = {name: [torch.cat(parts) for parts in per_round] for name, per_round in out.items()}
+        return cls(trees[0].sigmas, merged["latents"], merged["index"], merged["group"], merged["root"],
+                   merged["lineage"], merged["parent"], merged["log_prob"], merged["std"], merged["level"],
+                   merged["sde"], merged["trained"], trees[0].plan, merged["stride"],
+                   nfe=sum(t.nfe for t in trees), transformer_calls=sum(t.transformer_calls for t in trees))
+
     @property
     def num_rounds(self) -> int:
         return len(self.latents) - 1

@@ -27,6 +27,7 @@ from .losses import gaussian_kl_same_std, ppo_clip_loss
 from .models import SD3Adapter
 from .prompts import DEFAULT_TINY_PROMPTS, PromptSource
 from .rewards import build_reward_set
+from .rewards.registry import RewardScores
 from .samplers import RolloutPlan, StepSpec, make_sigmas
 from .samplers.kernels import step as kernel_step
 from .samplers.schedules import dynamic_shift_mu
@@ -274,15 +275,10 @@ class Trainer:
         self.adapter.transformer.eval()
         prompts, metadata, roots = self._choose_prompts(it, gen, row)
         cond = self.adapter.encode_prompts(prompts)
-        tree = rollout(self.adapter, cond, plan, self.sigmas, self.latent_shape, kernel=cfg.sampler.kernel,
-                       noise_level=cfg.sampler.noise_level, generator=gen, max_batch=cfg.algorithm.max_batch,
-                       guidance_scale=cfg.sampler.guidance_scale, negative=self.negative,
-                       log_prob_reduce=cfg.train.log_prob_reduce, roots=roots)
-        t1 = time.perf_counter()
-        images = self.adapter.decode(tree.leaves)
-        leaf_group = tree.leaf_group
-        scores = self.rewards(images, [prompts[g] for g in leaf_group.tolist()], [metadata[g] for g in leaf_group.tolist()])
+        tree, scores, timing = self._rollout_and_score(cond, plan, gen, prompts, metadata, roots)
+        row.update(timing)
         t2 = time.perf_counter()
+        leaf_group = tree.leaf_group
         if not torch.isfinite(scores.total).any():
             raise FlowRLError(f"iteration {it}: every reward was NaN/inf; check the reward function")
         leaf_prompts = [prompts[g] for g in leaf_group.tolist()]
@@ -317,7 +313,7 @@ class Trainer:
             "nfe_rollout": tree.nfe, "transformer_calls_rollout": tree.transformer_calls,
             "leaves": int(tree.leaves.shape[0]), **{f"plan/{k}": v for k, v in plan.accounting().items()},
             **{f"plan/{k}": v for k, v in plan.notes.items()},
-            "seconds_rollout": t1 - t0, "seconds_reward": t2 - t1, "seconds_train": t3 - t2,
+            "seconds_train": t3 - t2,
             "peak_memory_mb": peak_memory_mb(self.device), **self._cumulative,
         })
         report.append_metrics(self.metrics_path, row)
@@ -326,6 +322,52 @@ class Trainer:
         if (it + 1) % 5 == 0 or it == 0:
             report.plot_reward_curve(self.run_dir)
         return row
+
+    # ------------------------------------------------------------------------------------------ rollout + reward
+    def _rollout_and_score(self, cond, plan, gen, prompts, metadata, roots):
+        """Roll out the prompts in ``sampler.rollout_batches`` batches and score each batch's leaves; with
+        ``async_reward`` a batch is scored in a worker thread while the next one is rolled out.
+
+        Returns (tree, scores, timing): seconds_rollout (rollout + decode), seconds_reward (scorer time, summed
+        over batches), seconds_reward_wait (time the trainer waited for scores after the last rollout) and
+        seconds_reward_hidden = seconds_reward - seconds_reward_wait (the time the overlap saved)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        cfg = self.cfg
+        n = len(prompts)
+        k = min(cfg.sampler.rollout_batches, n)
+        bounds = [round(i * n / k) for i in range(k + 1)]
+        use_async = cfg.sampler.async_reward and k > 1
+        if use_async and getattr(self, "_reward_pool", None) is None:
+            self._reward_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-reward")
+
+        def score(images, rows):
+            start = time.perf_counter()
+            out = self.rewards(images, [prompts[g] for g in rows], [metadata[g] for g in rows])
+            return out, time.perf_counter() - start
+
+        trees, pending = [], []
+        t_rollout = 0.0
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            start = time.perf_counter()
+            idx = torch.arange(a, b)
+            part = rollout(self.adapter, cond.index(idx.to(cond.embeds.device)), plan, self.sigmas, self.latent_shape,
+                           kernel=cfg.sampler.kernel, noise_level=cfg.sampler.noise_level, generator=gen,
+                           max_batch=cfg.algorithm.max_batch, guidance_scale=cfg.sampler.guidance_scale,
+                           negative=self.negative, log_prob_reduce=cfg.train.log_prob_reduce,
+                           roots=roots[a:b] if roots else None)
+            images = self.adapter.decode(part.leaves)
+            t_rollout += time.perf_counter() - start
+            rows = (part.leaf_group + a).tolist()
+            pending.append(self._reward_pool.submit(score, images, rows) if use_async else score(images, rows))
+            trees.append(part)
+        start = time.perf_counter()
+        results = [p.result() if use_async else p for p in pending]
+        wait = time.perf_counter() - start if use_async else sum(r[1] for r in results)
+        scored = sum(r[1] for r in results)
+        return Tree.concat(trees), RewardScores.concat([r[0] for r in results]), {
+            "seconds_rollout": t_rollout, "seconds_reward": scored, "seconds_reward_wait": wait,
+            "seconds_reward_hidden": max(0.0, scored - wait), "rollout_batches": k}
 
     # ------------------------------------------------------------------------------------------ prompts
     def _choose_prompts(self, it: int, gen: torch.Generator, row: dict) -> tuple[list[str], list[dict], list[int] | None]:

@@ -60,6 +60,14 @@ class RewardScores:
     components: dict[str, torch.Tensor]  # name -> (N,) raw scores
     invalid: torch.Tensor  # (N,) bool: a component returned NaN/inf
 
+    @classmethod
+    def concat(cls, parts: list["RewardScores"]) -> "RewardScores":
+        if len(parts) == 1:
+            return parts[0]
+        return cls(torch.cat([p.total for p in parts]),
+                   {k: torch.cat([p.components[k] for p in parts]) for k in parts[0].components},
+                   torch.cat([p.invalid for p in parts]))
+
 
 class RewardSet:
     """A weighted sum of rewards; every component is kept for logging."""

@@ -20,3 +20,11 @@ def brightness(images, prompts, metadata):
 def per_prompt_constant(images, prompts, metadata):
     """Equal within every group, different between prompts: every group has zero variance."""
     return torch.tensor([float(len(p) % 3) for p in prompts])
+
+
+def slow_brightness(images, prompts, metadata):
+    """A scorer that takes a while (a remote or large model stands behind it)."""
+    import time
+
+    time.sleep(0.3)
+    return images.mean(dim=(1, 2, 3))
