@@ -116,11 +116,20 @@ class ClipScore:
         else:
             import open_clip
 
+            if pretrained and open_clip.get_pretrained_cfg(model, pretrained).get("quick_gelu") \
+                    and "quickgelu" not in model.lower():
+                raise RewardError(f"clip reward: the {pretrained!r} weights of {model} were trained with QuickGELU; "
+                                  f"use model='{model}-quickgelu' (open_clip only warns and the scores are wrong)")
             try:
                 self.model, _, _ = open_clip.create_model_and_transforms(model, pretrained=pretrained)
             except Exception as exc:
+                where = ""
+                tag_cfg = open_clip.get_pretrained_cfg(model, pretrained) if pretrained else {}
+                if tag_cfg.get("hf_hub"):  # say which repository holds the weights the tag names
+                    where = (f"; the weights are in the Hugging Face repository {tag_cfg['hf_hub'].rstrip('/')}: "
+                             "download it where the hub is reachable and pass pretrained=/path/to/the/weights file")
                 raise RewardError(f"clip reward: cannot load open_clip model {model!r} with pretrained={pretrained!r} "
-                                  f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
+                                  f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}){where}") from exc
             self.tokenizer = open_clip.get_tokenizer(model)
         size = self.model.visual.image_size
         self.size = size[0] if isinstance(size, (tuple, list)) else int(size)

@@ -4,6 +4,7 @@
 - ``shapes`` reward (training): partial credit per attribute, mean of three scores in [0, 1]:
   the fraction of border pixels of the asked background colour, the fraction of foreground pixels of the asked
   shape colour, and the IoU of the foreground with the best-fitting template of the asked shape.
+  With ``shape="margin"`` the shape part is (1 + IoU(asked) - best other IoU) / 2 instead.
 - ``shapes_accuracy``: strict per-attribute correctness, for evaluation.
 A prompt outside the domain's vocabulary raises an error: the reward cannot judge it.
 """
@@ -94,14 +95,19 @@ def _specs(prompts: list[str]) -> list[ShapeSpec]:
 def attribute_scores(images: torch.Tensor, prompts: list[str]) -> dict[str, np.ndarray]:
     """Continuous per-attribute scores in [0, 1] and strict correctness, each (N,)."""
     specs = _specs(prompts)
-    out = {k: np.zeros(len(specs)) for k in ("bg_score", "color_score", "shape_score", "bg_ok", "color_ok", "shape_ok")}
+    out = {k: np.zeros(len(specs)) for k in ("bg_score", "color_score", "shape_score", "shape_margin", "bg_ok",
+                                              "color_ok", "shape_ok")}
     for i, (img, spec) in enumerate(zip(_to_uint8(images), specs)):
         a = analyse(img)
         want_bg, want_color = NAMES.index(spec.background), NAMES.index(spec.color)
         out["bg_score"][i] = float((a["border"] == want_bg).mean())
         fg = a["idx"] != want_bg
         out["color_score"][i] = float((a["idx"][fg] == want_color).mean()) if fg.any() else 0.0
-        out["shape_score"][i] = _shape_ious(a["idx"] == want_color)[spec.shape]
+        ious = _shape_ious(a["idx"] == want_color)
+        out["shape_score"][i] = ious[spec.shape]
+        # how far the asked shape's IoU is ahead of the best other shape's: > 0 exactly when the checker would
+        # read the asked shape from that mask
+        out["shape_margin"][i] = ious[spec.shape] - max(v for k, v in ious.items() if k != spec.shape)
         out["bg_ok"][i] = a["background"] == spec.background
         out["color_ok"][i] = a["color"] == spec.color
         out["shape_ok"][i] = a["shape"] == spec.shape
@@ -110,11 +116,21 @@ def attribute_scores(images: torch.Tensor, prompts: list[str]) -> dict[str, np.n
 
 @register_reward("shapes")
 class ShapesReward:
-    """Partial credit: mean of background, colour and shape scores (each in [0, 1])."""
+    """Partial credit: mean of background, colour and shape scores (each in [0, 1]).
+
+    ``shape="iou"``: the shape score is the IoU with the asked shape's template. ``shape="margin"``:
+    (1 + IoU(asked) - max IoU(other shapes)) / 2, which rises exactly as the mask moves toward being read as
+    the asked shape (a blob that grows more like every template gains IoU but no margin)."""
+
+    def __init__(self, shape: str = "iou"):
+        if shape not in ("iou", "margin"):
+            raise RewardError(f"shapes reward: shape={shape!r} must be 'iou' or 'margin'")
+        self.shape = shape
 
     def __call__(self, images, prompts, metadata=None):
         s = attribute_scores(images, prompts)
-        return (s["bg_score"] + s["color_score"] + s["shape_score"]) / 3
+        shape = s["shape_score"] if self.shape == "iou" else (1 + s["shape_margin"]) / 2
+        return (s["bg_score"] + s["color_score"] + shape) / 3
 
 
 @register_reward("shapes_accuracy")

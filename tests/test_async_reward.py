@@ -61,3 +61,19 @@ def test_concat_shifts_parents_groups_and_roots_by_hand():
     assert t.group[2].tolist() == [0, 0, 0, 0, 1, 2, 2]
     assert t.root[2].tolist() == [0, 0, 0, 0, 1, 2, 2]
     assert t.node_values_from_leaves(torch.arange(7.0))[0].tolist() == [1.5, 4.0, 5.5]
+
+
+def test_multi_reward_config_trains_with_per_reward_advantages(tmp_path):
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs/tiny_multi_reward.yaml", [f"log.output_dir={tmp_path}", "log.run_name=m",
+                                                        "log.progress=false", "train.prompts_per_iter=2",
+                                                        "algorithm.group_size=3", "sampler.num_steps=4",
+                                                        "algorithm.window.size=2"])
+    row = Trainer(cfg).iteration(0)
+    assert {"reward_mean/shapes", "reward_mean/clip", "reward_mean/total"} <= set(row)
+    assert 0.0 < row["reward_mean/clip"] < 1.0 and 0.0 < row["reward_mean/shapes"] <= 1.0
+    assert row["rollout_batches"] == 2 and row["trained_edges"] > 0

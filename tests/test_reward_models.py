@@ -272,3 +272,8 @@ def test_temporal_consistency_with_the_tiny_clip():
     scores = reward(torch.cat([still, noisy]), ["x", "y"])
     assert abs(float(scores[0]) - 1.0) < 1e-5
     assert float(scores[1]) < float(scores[0])
+
+
+def test_open_clip_openai_tag_needs_the_quickgelu_model():
+    with pytest.raises(RewardError, match="QuickGELU; use model='ViT-L-14-quickgelu'"):
+        build_reward("clip", model="ViT-L-14", pretrained="openai")
