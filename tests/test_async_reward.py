@@ -64,15 +64,15 @@ def test_concat_shifts_parents_groups_and_roots_by_hand():
 
 
 def test_multi_reward_config_trains_with_per_reward_advantages(tmp_path):
+    from pathlib import Path
+
     from flowrl.config import load_config
     from flowrl.trainer import Trainer
 
-    from pathlib import Path
-
-    cfg = load_config(Path(__file__).resolve().parent.parent / "configs/tiny_multi_reward.yaml", [f"log.output_dir={tmp_path}", "log.run_name=m",
-                                                        "log.progress=false", "train.prompts_per_iter=2",
-                                                        "algorithm.group_size=3", "sampler.num_steps=4",
-                                                        "algorithm.window.size=2"])
+    path = Path(__file__).resolve().parent.parent / "configs" / "tiny_multi_reward.yaml"
+    cfg = load_config(path, [f"log.output_dir={tmp_path}", "log.run_name=m", "log.progress=false",
+                             "train.prompts_per_iter=2", "algorithm.group_size=3", "sampler.num_steps=4",
+                             "algorithm.window.size=2"])
     row = Trainer(cfg).iteration(0)
     assert {"reward_mean/shapes", "reward_mean/clip", "reward_mean/total"} <= set(row)
     assert 0.0 < row["reward_mean/clip"] < 1.0 and 0.0 < row["reward_mean/shapes"] <= 1.0
