@@ -83,12 +83,20 @@ class HFClip:
         self.device = torch.device(device)
         if isinstance(model, str):
             try:
-                model = CLIPModel.from_pretrained(resolve_pretrained_dir(reward, model), dtype=dtype)
+                model, info = CLIPModel.from_pretrained(resolve_pretrained_dir(reward, model), dtype=dtype,
+                                                        output_loading_info=True)
             except RewardError:
                 raise
             except Exception as exc:
                 raise RewardError(f"{reward}: cannot load the CLIPModel {model!r} "
                                   f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
+            # from_pretrained only warns about missing weights and initialises them at random: refuse instead
+            missing = list(info.get("missing_keys", []))
+            mismatched = list(info.get("mismatched_keys", []))
+            if missing or mismatched:
+                first = ", ".join(map(str, (missing or mismatched)[:4]))
+                raise RewardError(f"{reward}: the checkpoint does not match the CLIPModel layout: {len(missing)} "
+                                  f"missing and {len(mismatched)} mismatched weights (first: {first})")
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.size = int(self.model.config.vision_config.image_size)
         self.tokenizer, self.image_processor = self._processor(reward, processor)

@@ -277,3 +277,17 @@ def test_temporal_consistency_with_the_tiny_clip():
 def test_open_clip_openai_tag_needs_the_quickgelu_model():
     with pytest.raises(RewardError, match="QuickGELU; use model='ViT-L-14-quickgelu'"):
         build_reward("clip", model="ViT-L-14", pretrained="openai")
+
+
+def test_hf_checkpoint_with_missing_weights_is_refused(hf_clip_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(hf_clip_dir, broken)
+    state = load_file(str(broken / "model.safetensors"))
+    del state["visual_projection.weight"]
+    save_file(state, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(RewardError, match="missing .*visual_projection.weight"):
+        build_reward("pickscore", model=str(broken), processor=None)

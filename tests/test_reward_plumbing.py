@@ -1,6 +1,8 @@
 """Rollout in prompt batches with scoring overlapped: the same tree as one rollout, the same rewards as synchronous
 scoring, and metrics that say how much scoring time the overlap hid."""
 
+import math
+
 import torch
 
 from flowrl.engine import Tree, rollout
@@ -77,3 +79,16 @@ def test_multi_reward_config_trains_with_per_reward_advantages(tmp_path):
     assert {"reward_mean/shapes", "reward_mean/clip", "reward_mean/total"} <= set(row)
     assert 0.0 < row["reward_mean/clip"] < 1.0 and 0.0 < row["reward_mean/shapes"] <= 1.0
     assert row["rollout_batches"] == 2 and row["trained_edges"] > 0
+
+
+def test_nan_rewards_are_masked_counted_and_training_continues(tmp_path):
+    from flowrl.trainer import Trainer
+
+    cfg = make_cfg(tmp_path, "train.iterations=2", "train.prompts_per_iter=2", "algorithm.group_size=4",
+                   "sampler.num_steps=4", "rewards=[{name: 'tests.helpers:half_nan'}, {name: 'tests.helpers:brightness'}]")
+    trainer = Trainer(cfg)
+    rows = [trainer.iteration(it) for it in range(2)]
+    for row in rows:
+        assert row["reward_nan_count"] == 4  # every other leaf of 8
+        assert math.isfinite(row["reward_mean/total"]) and math.isfinite(row["policy_loss"])
+        assert row["trained_edges"] > 0
