@@ -3,7 +3,7 @@
 score = cos(image features, text features), both L2-normalised, no logit scale and no clamp (v2.1 about
 0.20-0.37). Checkpoints ``HPS_v2_compressed.pt`` (v2.0) and ``HPS_v2.1_compressed.pt`` (v2.1) from the
 Hugging Face repository ``xswu/HPSv2`` hold ``{'state_dict': ...}`` with the complete open_clip key set; a bare
-state dict or a .safetensors file is accepted too. Preprocessing is HPS's letterbox: the longer side resized to
+state dict or a .safetensors file is accepted too. Preprocessing is HPS's letterbox on the uint8-quantised image: the longer side resized to
 224 (bicubic, antialiased) and the rest padded black, then the OpenAI mean/std. Text goes through open_clip's
 tokenizer (ftfy + HTML cleaning, zero padding, 77 tokens).
 """
@@ -15,7 +15,7 @@ import torch
 from flowrl.errors import RewardError
 
 from .backbones import clip_pixels
-from .loading import check_images, load_strict, read_state_dict, resolve_file
+from .loading import check_images, load_strict, read_state_dict, resolve_file, to_uint8
 from .registry import register_reward
 
 HPS_REPO = "xswu/HPSv2"
@@ -59,7 +59,8 @@ class HPSv2:
 
     @torch.no_grad()
     def embed_images(self, images: torch.Tensor) -> torch.Tensor:
-        pixels = clip_pixels(images, self.size, "letterbox").to(self.device)
+        # the references hand HPS uint8 PIL images (ToTensor then letterbox): quantise the same way
+        pixels = clip_pixels(to_uint8(images).float() / 255, self.size, "letterbox").to(self.device)
         return self.model.encode_image(pixels, normalize=True).float()
 
     @torch.no_grad()

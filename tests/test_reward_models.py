@@ -183,7 +183,8 @@ def test_hpsv2_loads_official_format_and_scores_cosine(tmp_path, wrap):
     # hand pipeline: letterbox 60x30 -> 32x16 (+8 black rows each side), OpenAI normalise; open_clip tokenizer
     import torchvision.transforms.functional as TF
 
-    x = TF.resize(images, [16, 32], interpolation=TF.InterpolationMode.BICUBIC, antialias=True)
+    x = (images * 255).round().clamp(0, 255) / 255  # the references' uint8 PIL -> ToTensor
+    x = TF.resize(x, [16, 32], interpolation=TF.InterpolationMode.BICUBIC, antialias=True)
     x = torch.nn.functional.pad(x, (0, 0, 8, 8))
     x = TF.normalize(x, OPENAI_MEAN, OPENAI_STD)
     with torch.no_grad():
