@@ -68,7 +68,7 @@ def test_eval_reward_table_is_reproducible(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "a red circle on a blue background", "tag": "circle"}\n\n'
                        '{"prompt": "a green square on a white background", "tag": "square"}\n')
-    args = ["eval", str(ROOT / "configs/tiny_default.yaml"), "log.progress=false", "--prompts", str(prompts),
+    args = ["eval", str(ROOT / "configs/tiny_flow_grpo.yaml"), "log.progress=false", "--prompts", str(prompts),
             "--reward", "jpeg_incompressibility", "--reward", "tests.helpers:brightness", "--seeds", "0,1,2"]
     outs = []
     for k in range(2):
@@ -89,7 +89,7 @@ def test_eval_reward_table_is_reproducible(tmp_path, capsys):
 def test_eval_bad_prompt_file_is_one_clear_line(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
-    assert main(["eval", str(ROOT / "configs/tiny_default.yaml"), "--prompts", str(empty), "--reward", "jpeg_incompressibility",
+    assert main(["eval", str(ROOT / "configs/tiny_flow_grpo.yaml"), "--prompts", str(empty), "--reward", "jpeg_incompressibility",
                  "--csv", str(tmp_path / "e.csv")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("flowrl: error: --prompts") and "no prompts" in err[-1]
