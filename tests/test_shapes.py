@@ -65,6 +65,24 @@ def test_partial_credit_and_strict_accuracy():
     assert acc.tolist() == [1.0, 0.0, 0.0]
 
 
+def test_margin_reward_by_hand():
+    """shape=margin: the shape part is (1 + IoU(asked) - best other IoU) / 2, > 1/2 exactly when read right."""
+    from flowrl.rewards.shapes import _shape_ious, analyse
+
+    img = render(ShapeSpec("square", "red", "blue"), 32, seed=1)
+    x = as_batch([img, img])
+    prompts = ["a red square on a blue background", "a red circle on a blue background"]
+    ious = _shape_ious(analyse(img.astype(np.float32))["idx"] == 0)  # red is palette index 0
+    assert ious["square"] == 1.0
+    best_other = max(v for k, v in ious.items() if k != "square")
+    r = build_reward("shapes", shape="margin")(x, prompts)
+    assert r[0] == pytest.approx((1 + 1 + (1 + 1.0 - best_other) / 2) / 3)
+    assert r[1] == pytest.approx((1 + 1 + (1 + ious["circle"] - 1.0) / 2) / 3)
+    assert r[1] < 2.5 / 3 < r[0]
+    with pytest.raises(RewardError, match="shape='area'"):
+        build_reward("shapes", shape="area")
+
+
 def test_out_of_vocabulary_prompt_is_an_error():
     x = as_batch([render(ShapeSpec("square", "red", "blue"), 32, 0)])
     with pytest.raises(RewardError, match="cannot judge the prompt 'a photo of a cat'"):
