@@ -77,7 +77,7 @@ class HFClip:
     tokenizer from open_clip's bundled vocabulary, and a PIL image processor at the model's image size)."""
 
     def __init__(self, reward: str, model, processor: str | None = None, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, processor_fallback: bool = False):
         from transformers import CLIPModel
 
         self.device = torch.device(device)
@@ -99,7 +99,13 @@ class HFClip:
                                   f"missing and {len(mismatched)} mismatched weights (first: {first})")
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.size = int(self.model.config.vision_config.image_size)
-        self.tokenizer, self.image_processor = self._processor(reward, processor)
+        try:
+            self.tokenizer, self.image_processor = self._processor(reward, processor)
+        except RewardError:
+            if not processor_fallback:
+                raise
+            # the named processor is unavailable here; build the same one offline (CLIP BPE, bicubic, crop)
+            self.tokenizer, self.image_processor = self._processor(reward, None)
 
     def _processor(self, reward: str, processor: str | None):
         if processor:

@@ -28,12 +28,7 @@ class PickScore:
             raise RewardError(f"pickscore: scale {scale!r} must be one of {', '.join(SCALES)}")
         self.scale = scale
         # the laion processor equals the offline-built one (CLIP BPE, bicubic 224, crop); fall back to it offline
-        try:
-            self.clip = HFClip("pickscore", model, processor, device)
-        except RewardError as exc:
-            if processor is None or "processor" not in str(exc):
-                raise
-            self.clip = HFClip("pickscore", model, None, device)
+        self.clip = HFClip("pickscore", model, processor, device, processor_fallback=True)
 
     def embed_images(self, images: torch.Tensor) -> torch.Tensor:
         return self.clip.embed_images(images, "pil")

@@ -227,6 +227,8 @@ def test_pickscore_scales_match_the_official_formula(hf_clip_dir):
     assert torch.allclose(scores["official"], official, atol=1e-4)
     assert torch.allclose(scores["flow_grpo"], official / 26, atol=1e-5)
     assert torch.allclose(scores["cosine"], official / 100, atol=1e-6)
+    # the default laion processor id is not available offline: the same processor is built locally instead
+    assert torch.allclose(build_reward("pickscore", model=str(hf_clip_dir))(images, prompts), official, atol=1e-4)
 
 
 def test_pickscore_missing_model_offline(monkeypatch, tmp_path):
