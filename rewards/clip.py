@@ -41,7 +41,6 @@ def tiny_clip_config() -> dict:
 
 def build_open_clip(config: dict):
     import open_clip
-
     from open_clip.model import CLIP
 
     return CLIP(embed_dim=config["embed_dim"], vision_cfg=open_clip.model.CLIPVisionCfg(**config["vision_cfg"]),

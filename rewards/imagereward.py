@@ -21,7 +21,7 @@ from .registry import register_reward
 class ImageReward:
     def __init__(self, name: str = "ImageReward-v1.0", download_root: str | None = None, device: str = "cpu"):
         try:
-            import ImageReward as RM  # noqa: N813  (the package's own module name)
+            import ImageReward as RM
         except ImportError as exc:
             raise RewardError("imagereward: needs the official package; pip install image-reward (weights: "
                               "ImageReward.pt and med_config.json from the Hugging Face repository THUDM/ImageReward)") from exc

@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -61,7 +61,7 @@ class RewardScores:
     invalid: torch.Tensor  # (N,) bool: a component returned NaN/inf
 
     @classmethod
-    def concat(cls, parts: list["RewardScores"]) -> "RewardScores":
+    def concat(cls, parts: list[RewardScores]) -> RewardScores:
         if len(parts) == 1:
             return parts[0]
         return cls(torch.cat([p.total for p in parts]),

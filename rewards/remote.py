@@ -59,13 +59,13 @@ def make_server(name: str, args: dict | None = None, host: str = "127.0.0.1", po
             self.end_headers()
             self.wfile.write(data)
 
-        def do_GET(self):  # noqa: N802 (http.server's naming)
+        def do_GET(self):  # http.server dispatches on these method names
             if self.path.rstrip("/") == "/health":
                 self._reply(200, {"reward": name})
             else:
                 self._reply(404, {"error": f"unknown path {self.path}; use GET /health or POST /score"})
 
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             if self.path.rstrip("/") != "/score":
                 self._reply(404, {"error": f"unknown path {self.path}; use POST /score"})
                 return

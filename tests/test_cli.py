@@ -78,7 +78,8 @@ def test_eval_reward_table_is_reproducible(tmp_path, capsys):
     assert set(outs[0]["metrics"]) == {"jpeg_incompressibility", "brightness", "total"}
     import csv
 
-    rows = list(csv.DictReader(open(tmp_path / "e0_samples.csv")))
+    with open(tmp_path / "e0_samples.csv") as fh:
+        rows = list(csv.DictReader(fh))
     assert len(rows) == 6 and rows[0]["seed"] == "0"
     bright = [float(r["brightness"]) for r in rows]
     mean, std = outs[0]["metrics"]["brightness"]

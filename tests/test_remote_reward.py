@@ -8,10 +8,10 @@ import time
 
 import pytest
 import torch
-
-from flowrl.errors import RewardError
 from flowrl.rewards import build_reward
 from flowrl.rewards.remote import make_server
+
+from flowrl.errors import RewardError
 from flowrl.shapes import render, split_specs
 
 

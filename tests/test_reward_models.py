@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
+from flowrl.rewards import build_reward
 
 from flowrl.errors import RewardError
-from flowrl.rewards import build_reward
 
 TINY_OPEN_CLIP = {  # an open_clip CLIP at toy size (the ViT-H-14 key layout at width 32)
     "embed_dim": 16,
@@ -93,9 +93,9 @@ def test_clip_conventions_on_fixed_cosines():
 
 
 def test_clip_transformers_backend_flow_grpo_convention(hf_clip_dir):
+    from flowrl.rewards.backbones import clip_pixels
     from transformers import CLIPModel
 
-    from flowrl.rewards.backbones import clip_pixels
     from flowrl.tokenizer import build_clip_tokenizer
 
     images, prompts = fixed_images(2), ["a red circle", "a photo, of a dog!"]
@@ -125,10 +125,9 @@ def _collapsed_affine(head):
 
 
 def test_aesthetic_official_layout_and_score(hf_clip_dir, tmp_path):
-    from transformers import CLIPModel
-
     from flowrl.rewards.aesthetic import AestheticHead
     from flowrl.rewards.backbones import clip_pixels
+    from transformers import CLIPModel
 
     torch.manual_seed(1)
     head = AestheticHead(16)
@@ -171,7 +170,6 @@ def _hps_checkpoint(tmp_path, wrap=True, dtype=torch.float16):
 @pytest.mark.parametrize("wrap", [True, False])
 def test_hpsv2_loads_official_format_and_scores_cosine(tmp_path, wrap):
     import open_clip
-
     from flowrl.rewards.backbones import OPENAI_MEAN, OPENAI_STD
     from flowrl.rewards.clip import build_open_clip
 
@@ -211,9 +209,9 @@ def test_hpsv2_wrong_keys_and_missing_file(tmp_path, monkeypatch):
 
 # --------------------------------------------------------------------------------------------- PickScore
 def test_pickscore_scales_match_the_official_formula(hf_clip_dir):
+    from flowrl.rewards.backbones import clip_pixels
     from transformers import CLIPModel
 
-    from flowrl.rewards.backbones import clip_pixels
     from flowrl.tokenizer import build_clip_tokenizer
 
     images, prompts = fixed_images(2), ["a red circle on a blue background", "a dog"]
@@ -241,7 +239,7 @@ def test_pickscore_missing_model_offline(monkeypatch, tmp_path):
 def test_imagereward_names_the_package_when_missing():
     pytest.importorskip("torch")
     try:
-        import ImageReward  # noqa: F401
+        import ImageReward
         pytest.skip("image-reward is installed here")
     except ImportError:
         pass

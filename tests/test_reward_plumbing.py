@@ -4,9 +4,9 @@ scoring, and metrics that say how much scoring time the overlap hid."""
 import math
 
 import torch
+from flowrl.samplers import RolloutPlan, StepSpec
 
 from flowrl.engine import Tree, rollout
-from flowrl.samplers import RolloutPlan, StepSpec
 from tests.conftest import make_cfg
 
 
