@@ -74,7 +74,13 @@ def plot_reward_curve(run_dir: Path) -> Path | None:
         return None
     components = [k[len("reward_mean/"):] for k in rows[0] if k.startswith("reward_mean/") and k != "reward_mean/total"]
     panels = ["total"] + components if len(components) > 1 else ["total"]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.4), squeeze=False)
+    evals = {}
+    if (run_dir / "eval.json").is_file():  # held-out accuracy before / after, next to the training reward
+        import json
+
+        evals = {k: v for k, v in json.loads((run_dir / "eval.json").read_text()).items() if isinstance(v, dict)}
+    fig, axes = plt.subplots(1, len(panels) + bool(evals), figsize=(4.5 * (len(panels) + bool(evals)), 3.4),
+                             squeeze=False)
     its = [r["iteration"] for r in rows]
     for ax, key in zip(axes[0], panels):
         mean = [r.get(f"reward_mean/{key}", float("nan")) for r in rows]
@@ -84,10 +90,22 @@ def plot_reward_curve(run_dir: Path) -> Path | None:
                         alpha=0.2, label="+-1 std")
         if len(mean) >= 5:
             ax.plot(its, smooth(mean, max(3, len(mean) // 10)), color="C3", lw=1.5, label="smoothed")
-        ax.set_title(f"reward: {key}")
+        ax.set_title(f"reward: {key} (training rollouts)")
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
+    if evals:
+        ax = axes[0][-1]
+        where = {"before": 0, "after": rows[-1]["iteration"] + 1}
+        points = [(where[k], 100 * v["all"]) for k, v in evals.items() if k in where and "all" in v]
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color="C2")
+        for x, y in points:
+            ax.annotate(f"{y:.1f}%", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+        ax.margins(x=0.1, y=0.3)
+        ax.set_title("held-out accuracy, all three (ODE)")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("%")
+        ax.grid(alpha=0.3)
     fig.suptitle(run_dir.name, fontsize=9)
     out = run_dir / "reward_curve.png"
     _savefig(fig, out)

@@ -223,6 +223,7 @@ class Trainer:
         report.plot_reward_curve(self.run_dir)
         if cfg.log.eval != "none" and self.start_iteration < cfg.train.iterations:
             self.evaluate("after")
+            report.plot_reward_curve(self.run_dir)  # again, with the held-out panel
         if cfg.log.trackers:
             self.accelerator.end_training()
         return self.run_dir
