@@ -132,7 +132,8 @@ def cmd_bench(args) -> int:
 def cmd_eval(args) -> int:
     """Held-out shapes accuracy of the shipped model (no arguments) or of a run's LoRA checkpoint; with
     --prompts / --reward, the papers' reward table (mean and std per metric) on a prompt file, also as CSV."""
-    from .evaluate import format_table, reward_table, shapes_accuracy, write_csv_atomic
+    from .evaluate import format_table, reward_table, shapes_accuracy
+    from .report import write_csv
     from .models import SD3Adapter
     from .trainer import resolve_device, sigmas_for
 
@@ -178,8 +179,8 @@ def cmd_eval(args) -> int:
     summary, samples = reward_table(adapter, prompts, metadata, seeds, sig, reward_set, g, neg,
                                     cfg.algorithm.max_batch, progress=cfg.log.progress)
     out = Path(args.csv)
-    write_csv_atomic(samples, out.with_name(out.stem + "_samples.csv"))
-    write_csv_atomic(summary, out)
+    write_csv(out.with_name(out.stem + "_samples.csv"), samples)
+    write_csv(out, summary)
     print(format_table(summary))
     print(json.dumps({**info, "prompts": len(prompts), "seeds": seeds, "csv": str(out),
                       "samples_csv": str(out.with_name(out.stem + "_samples.csv")),

@@ -70,19 +70,3 @@ def format_table(summary: list[dict]) -> str:
     for r in summary:
         lines.append(f"{r['metric']:<{width}}  {r['mean']:>10.4f}  {r['std']:>10.4f}  {r['n']:>6d}  {r['invalid']:>7d}")
     return "\n".join(lines)
-
-
-def write_csv_atomic(rows: list[dict], path) -> None:
-    """CSV written to a temporary file and renamed, so an interrupted run leaves no half-written file."""
-    import csv
-    import os
-    from pathlib import Path
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["metric"])
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, path)

@@ -16,6 +16,18 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def write_csv(path: Path, rows: list[dict], fieldnames: list[str] | None = None) -> None:
+    """CSV written whole and renamed into place, so an interrupted run leaves no half-written file."""
+    import io
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=fieldnames or (list(rows[0]) if rows else []))
+    writer.writeheader()
+    writer.writerows(rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, buf.getvalue().encode("utf-8"))
+
+
 def append_metrics(path: Path, row: dict) -> None:
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(row, sort_keys=False) + "\n")
@@ -214,10 +226,5 @@ def compare_runs(run_dirs: list[Path], out_dir: Path, x_axis: str = "iteration",
     png = out_dir / "compare.png"
     _savefig(fig, png)
     csv_path = out_dir / "compare.csv"
-    tmp = csv_path.with_name(".compare.csv.tmp")
-    with open(tmp, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=["run", "label", "seed", x_axis, metric])
-        writer.writeheader()
-        writer.writerows(csv_rows)
-    os.replace(tmp, csv_path)
+    write_csv(csv_path, csv_rows, ["run", "label", "seed", x_axis, metric])
     return png, csv_path

@@ -312,7 +312,7 @@ class Trainer:
         row.update(train_stats)
         row.update({
             "nfe_rollout": tree.nfe, "transformer_calls_rollout": tree.transformer_calls,
-            "leaves": int(tree.leaves.shape[0]), **{f"plan/{k}": v for k, v in plan.accounting().items()},
+            "leaves": int(leaf_group.numel()), **{f"plan/{k}": v for k, v in plan.accounting().items()},
             **{f"plan/{k}": v for k, v in plan.notes.items()},
             "seconds_train": t3 - t2,
             "peak_memory_mb": peak_memory_mb(self.device), **self._cumulative,
