@@ -6,7 +6,9 @@
   root that branches G ways at the first step; trains a random int((T-1) * timestep_fraction) steps per
   sample path (``timestep_selection=random``).
 - ``mix_grpo`` / ``flow_grpo_fast``: SDE only inside a window of ``window.size`` steps (fixed, random or
-  progressive placement), ODE elsewhere, only window steps trained. With shared noise the ODE prefix is
+  progressive placement), ODE elsewhere, only window steps trained. ``flow_grpo``, ``dance_grpo``,
+  ``chunk_grpo`` and ``superflow`` take the same window when ``window.size > 0`` (their own step rules,
+  timestep subsets and chunks, then apply inside it). With shared noise the ODE prefix is
   computed once per prompt and the group branches at the window's first step.
 - ``branch_grpo``: one root per prompt, branch K at the split steps (K ** |B| leaves), every edge trained;
   reward fusion up the tree, depth-wise z-score, width / depth pruning; ``tree.mix`` = ODE outside the
@@ -28,6 +30,7 @@ import random
 import torch
 
 from .advantages import group_advantages
+from .config import WINDOWABLE
 from .errors import ConfigError
 from .samplers import RolloutPlan, StepSpec
 from . import trees
@@ -105,7 +108,7 @@ def build_plan(cfg, iteration: int, rng: random.Random | None = None, sigmas: to
         return _branch_plan(cfg, iteration, rng)
     if a.name in SIDE_BRANCH:
         return _side_plan(cfg, sigmas)
-    if a.name in ("flow_grpo", "dance_grpo", "chunk_grpo", "superflow"):
+    if a.name in WINDOWABLE and a.window.size == 0:
         sde = [True] * t
         if a.name in ("flow_grpo", "superflow"):
             n_train = max(1, min(int(t * a.timestep_fraction), t))
@@ -113,7 +116,7 @@ def build_plan(cfg, iteration: int, rng: random.Random | None = None, sigmas: to
         else:  # DanceGRPO and Chunk-GRPO never train the last step (subsets: select_edges / chunks)
             trained = [i < t - 1 or t == 1 for i in range(t)]
         notes = {}
-    else:  # mix_grpo / flow_grpo_fast
+    else:  # mix_grpo / flow_grpo_fast, or a flat preset restricted to a window (hybrid ODE-SDE sampling)
         start = window_start(cfg, iteration, rng)
         sde = [start <= i < start + a.window.size for i in range(t)]
         trained = list(sde)

@@ -77,7 +77,8 @@ class SamplerConfig:
 
 @dataclass
 class WindowConfig:
-    size: int = opt(0, "SDE window length in steps (0 = no window: all steps SDE)", lo=0)
+    size: int = opt(0, "SDE window length in steps (0 = no window: all steps SDE); with flow_grpo, dance_grpo, "
+                       "chunk_grpo or superflow a window makes only its steps SDE and trained", lo=0)
     placement: str = opt("fixed", choices=["fixed", "random", "progressive"])
     start: int = opt(0, "first window step for fixed placement", lo=0)
     range_start: int = opt(0, "earliest window start (random / progressive)", lo=0)
@@ -276,6 +277,8 @@ class LogConfig:
     progress: bool = opt(True, "progress bars")
     eval: str = opt("none", "held-out evaluation before and after training", choices=["none", "shapes"])
     eval_seeds: list[int] = opt([0, 1, 2, 3, 4, 5, 6, 7], "seeds per held-out prompt")
+    eval_every: int = opt(0, "iterations between held-out curve points in eval_curve.jsonl (0 = none)", lo=0)
+    eval_curve_seeds: int = opt(4, "the curve uses the first N of eval_seeds (cheaper than the full evaluation)", lo=1)
 
 
 @dataclass
@@ -495,11 +498,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+# flat presets that run all steps SDE unless algorithm.window.size > 0 restricts SDE and training to a window
+WINDOWABLE = ("flow_grpo", "dance_grpo", "chunk_grpo", "superflow")
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks that a single field's range cannot express."""
     t = cfg.sampler.num_steps
     w = cfg.algorithm.window
-    if cfg.algorithm.name in ("mix_grpo", "flow_grpo_fast"):
+    if cfg.algorithm.name in ("mix_grpo", "flow_grpo_fast") or (cfg.algorithm.name in WINDOWABLE and w.size > 0):
         if w.size < 1:
             raise ConfigError(f"algorithm.window.size: {cfg.algorithm.name} needs a window of at least 1 step")
         end = t - 1 if w.range_end < 0 else w.range_end

@@ -110,7 +110,13 @@ def plot_reward_curve(run_dir: Path) -> Path | None:
         ax = axes[0][-1]
         where = {"before": 0, "after": rows[-1]["iteration"] + 1}
         points = [(where[k], 100 * v["all"]) for k, v in evals.items() if k in where and "all" in v]
-        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color="C2")
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color="C2", label="full evaluation")
+        curve = read_metrics(run_dir / "eval_curve.jsonl")
+        if curve:  # the periodic points use fewer seeds: noisier, drawn thinner
+            n = curve[0].get("images", 0)
+            ax.plot([c["iteration"] for c in curve], [100 * c["all"] for c in curve], ".--", color="C4", lw=1,
+                    label=f"every log.eval_every ({n} images)")
+            ax.legend(fontsize=7)
         for x, y in points:
             ax.annotate(f"{y:.1f}%", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
         ax.margins(x=0.1, y=0.3)

@@ -146,13 +146,16 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.curve_path = self.run_dir / "eval_curve.jsonl"  # curve rows count iterations done (0 = before)
         if resume_dir is not None:
             report.truncate_metrics(self.metrics_path, self.start_iteration)
-        elif self.metrics_path.exists():
-            self.metrics_path.unlink()
+            report.truncate_metrics(self.curve_path, self.start_iteration + 1)
+        else:
+            self.metrics_path.unlink(missing_ok=True)
+            self.curve_path.unlink(missing_ok=True)
         if cfg.log.trackers:
             self.accelerator.init_trackers(self.run_dir.name)
-        self._cumulative = {"nfe_rollout_cum": 0, "seconds_cum": 0.0}
+        self._cumulative = {"nfe_rollout_cum": 0, "rollouts_cum": 0, "seconds_cum": 0.0}
         rows = report.read_metrics(self.metrics_path)
         if rows:
             self._cumulative = {k: rows[-1].get(k, 0) for k in self._cumulative}
@@ -212,8 +215,11 @@ class Trainer:
             self.sample_grid(0)
             if cfg.log.eval != "none":
                 self.evaluate("before")
+            self.curve_point(0)
         for it in bar:
             row = self.iteration(it)
+            if cfg.log.eval_every and ((it + 1) % cfg.log.eval_every == 0 or it == cfg.train.iterations - 1):
+                self.curve_point(it + 1)
             bar.set_postfix(reward=f"{row['reward_mean/total']:.4f}", kl=f"{row['approx_kl']:.1e}")
             last = it == cfg.train.iterations - 1
             if last or (cfg.log.sample_every and (it + 1) % cfg.log.sample_every == 0):
@@ -267,6 +273,22 @@ class Trainer:
                              row_labels=prompts, title=title)
         return result
 
+    def curve_point(self, done: int) -> None:
+        """One held-out point (the first ``log.eval_curve_seeds`` evaluation seeds) appended to eval_curve.jsonl
+        with the work spent so far, so runs can be compared per rollout and per training second."""
+        cfg = self.cfg
+        if cfg.log.eval == "none" or not cfg.log.eval_every:
+            return
+        from .evaluate import shapes_accuracy
+
+        seeds = cfg.log.eval_seeds[: cfg.log.eval_curve_seeds]
+        with self.ema_weights():
+            result = shapes_accuracy(self.adapter, self.sigmas_eval(), seeds, cfg.sampler.guidance_scale,
+                                     self.negative, max_batch=cfg.algorithm.max_batch)
+        report.append_metrics(self.curve_path,
+                              {"iteration": done, **self._cumulative, "all": result["all"], "reward": result["reward"],
+                               "images": result["images"]})
+
     def iteration(self, it: int) -> dict:
         cfg = self.cfg
         gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + it)
@@ -306,8 +328,9 @@ class Trainer:
             ok = values[torch.isfinite(values)]
             row[f"reward_mean/{name}"] = float(ok.mean()) if ok.numel() else float("nan")
             row[f"reward_std/{name}"] = float(ok.std(correction=0)) if ok.numel() else float("nan")
-        self._cumulative["nfe_rollout_cum"] += tree.nfe
+        self._cumulative["nfe_rollout_cum"] += tree.nfe + row.get("curriculum/nfe", 0)
         self._cumulative["seconds_cum"] += t3 - t0
+        self._cumulative["rollouts_cum"] += int(leaf_group.numel()) + row.get("curriculum/images", 0)  # images scored
         row.update(adv_stats)
         row.update(train_stats)
         row.update({
@@ -400,7 +423,9 @@ class Trainer:
             self.capability.update(scores[torch.isfinite(scores)])
             keep = self.capability.closest(torch.nan_to_num(scores, nan=float("inf")), n)
             row.update({"curriculum/anchor_score_mean": float(scores.nanmean()), "curriculum/capability": self.capability.mean,
-                        "curriculum/seconds": time.perf_counter() - t0})
+                        "curriculum/seconds": time.perf_counter() - t0,
+                        # the candidates' ODE anchors are rollout work too (counted in nfe_rollout_cum)
+                        "curriculum/nfe": len(cand) * cfg.sampler.num_steps, "curriculum/images": len(cand)})
             return [cand[i] for i in keep], [meta[i] for i in keep], None
         extra = cfg.advantage.refill_extra if cfg.advantage.zero_variance == "drop_refill" else 0
         prompts, metadata = self.prompts.batch(it, n + extra)

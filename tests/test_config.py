@@ -17,10 +17,11 @@ from flowrl.errors import ConfigError, RewardError
     ("train.lora.enabled=maybe", "train.lora.enabled: expected true or false"),
     ("rewards=[]", "rewards: list at least one reward"),
     ("algorithm.name=mix_grpo", "algorithm.window.size: mix_grpo needs a window"),
+    ("algorithm.name=dance_grpo algorithm.window.size=12", "algorithm.window.size: a window of 12 does not fit"),
 ])
 def test_bad_overrides(override, message):
     with pytest.raises(ConfigError) as err:
-        load_config(None, [override])
+        load_config(None, override.split())
     assert message in str(err.value)
     assert "\n" not in str(err.value)
 

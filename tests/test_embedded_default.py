@@ -46,6 +46,33 @@ def test_one_grpo_iteration_on_shipped_model(tmp_path):
     assert row["ratio_max_abs_dev_first_update"] < 1e-5
 
 
+def test_heldout_curve_counts_the_work_spent(tmp_path):
+    """log.eval_every writes held-out points with the rollouts spent so far; AdaGRPO's candidate anchors count."""
+    from flowrl.report import read_metrics
+
+    cfg = make_cfg(tmp_path, "model.pretrained=tiny-shapes", "model.resolution=32", "rewards=[{name: shapes}]",
+                   "data.prompt_set=shapes-train", "sampler.num_steps=4", "algorithm.name=ada_grpo",
+                   "algorithm.group_size=2", "algorithm.side.steps=[0]", "algorithm.curriculum.candidates=3",
+                   "train.prompts_per_iter=2", "train.iterations=2", "log.eval=shapes", "log.eval_seeds=[0, 1]",
+                   "log.eval_curve_seeds=1", "log.eval_every=1")
+    run = Trainer(cfg).train()
+    curve, rows = read_metrics(run / "eval_curve.jsonl"), read_metrics(run / "metrics.jsonl")
+    assert [c["iteration"] for c in curve] == [0, 1, 2] and {c["images"] for c in curve} == {24}
+    assert all(r["curriculum/nfe"] == 3 * 4 for r in rows)  # 3 candidates x one 4-step ODE anchor
+    for c in curve[1:]:
+        done = rows[: c["iteration"]]
+        assert c["nfe_rollout_cum"] == sum(r["nfe_rollout"] + 12 for r in done)
+        assert c["rollouts_cum"] == sum(r["leaves"] + 3 for r in done) == c["iteration"] * (2 * 2 + 3)
+    # the first point is the untouched model on seed 0 alone: a full evaluation with eval_seeds=[0] agrees
+    from flowrl.evaluate import shapes_accuracy
+
+    t = Trainer(make_cfg(tmp_path, "model.pretrained=tiny-shapes", "model.resolution=32", "sampler.num_steps=4",
+                         "rewards=[{name: shapes}]", "data.prompt_set=shapes-train", "log.run_name=u"))
+    again = shapes_accuracy(t.adapter, t.sigmas_eval(), [0], t.cfg.sampler.guidance_scale, t.negative)
+    assert curve[0]["all"] == again["all"] and curve[0]["reward"] == again["reward"]
+    assert (run / "reward_curve.png").stat().st_size > 0
+
+
 def test_tiny_clip_scores_matching_captions_higher():
     import numpy as np
 

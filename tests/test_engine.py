@@ -89,3 +89,21 @@ def test_mix_window_plans(tmp_path):
                      "algorithm.window.placement=random", "algorithm.window.range_start=0", "algorithm.window.range_end=5")
     seen = {build_plan(cfg_r, it, random.Random(it)).notes["window_start"] for it in range(50)}
     assert seen == {0, 1, 2, 3}
+
+
+def test_flat_presets_take_a_window(tmp_path):
+    """window.size > 0 on flow_grpo / dance_grpo / chunk_grpo / superflow: only the window is SDE and trained."""
+    for name in ("flow_grpo", "dance_grpo", "chunk_grpo", "superflow"):
+        cfg = make_cfg(tmp_path, f"algorithm.name={name}", "sampler.num_steps=6", "algorithm.window.size=2",
+                       "algorithm.window.start=1", "algorithm.group_size=4", "algorithm.chunk.sizes=[1, 1]")
+        plan = build_plan(cfg, 0)
+        assert [s.sde for s in plan.steps] == [False, True, True, False, False, False], name
+        assert [s.trained for s in plan.steps] == [s.sde for s in plan.steps], name
+    # without a window they stay all-SDE (flow_grpo trains the first int(T * 0.99) = 5 of 6 steps)
+    plan = build_plan(make_cfg(tmp_path, "sampler.num_steps=6"), 0)
+    assert all(s.sde for s in plan.steps) and [s.trained for s in plan.steps] == [True] * 5 + [False]
+    # dance_grpo's random subset is drawn inside the window: int(2 * 0.5) = 1 of the 2 window steps per path
+    cfg = make_cfg(tmp_path, "algorithm.name=dance_grpo", "sampler.num_steps=6", "algorithm.window.size=2",
+                   "algorithm.window.start=1", "algorithm.group_size=4", "algorithm.timestep_selection=random",
+                   "algorithm.timestep_fraction=0.5")
+    assert build_plan(cfg, 0).steps[1].sde and not build_plan(cfg, 0).steps[0].sde
