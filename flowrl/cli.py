@@ -106,8 +106,9 @@ def cmd_compare(args) -> int:
     for d in args.runs:
         if not Path(d).is_dir():
             raise FlowRLError(f"{d}: not a directory")
-    png, csv_path = compare_runs([Path(d) for d in args.runs], Path(args.out), args.x, args.metric, args.smoothing)
-    print(json.dumps({"png": str(png), "csv": str(csv_path)}))
+    png, csv_path, summary = compare_runs([Path(d) for d in args.runs], Path(args.out), args.x, args.metric,
+                                          args.smoothing)
+    print(json.dumps({"png": str(png), "csv": str(csv_path), "summary": summary}, indent=1))
     return 0
 
 
@@ -234,10 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, help="ODE steps (default sampler.eval_num_steps)")
     s.add_argument("--out", default="samples.png")
     s.set_defaults(func=cmd_sample)
-    c = sub.add_parser("compare", help="reward curves of several runs (seed bands), PNG and CSV")
+    c = sub.add_parser("compare", help="reward or held-out curves of several runs (seed bands), PNG, CSV and a "
+                         "summary: final values and what each run spent to reach the first run's final value")
     c.add_argument("runs", nargs="+", help="run directories")
-    c.add_argument("--x", default="iteration", choices=["iteration", "nfe", "time"])
-    c.add_argument("--metric", default="reward_mean/total")
+    c.add_argument("--x", default="iteration", choices=["iteration", "nfe", "rollouts", "time"])
+    c.add_argument("--metric", default="reward_mean/total",
+                   help="a logged metric, or heldout/all / heldout/reward (the log.eval_every curve)")
     c.add_argument("--smoothing", type=int, default=1)
     c.add_argument("--out", default="compare")
     c.set_defaults(func=cmd_compare)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -180,17 +181,45 @@ def _run_label(run_dir: Path) -> tuple[str, int]:
     seed = int(cfg.get("train", {}).get("seed", 0))
     algo = cfg.get("algorithm", {}).get("name", "?")
     label = cfg.get("log", {}).get("run_name") or run_dir.name
-    base = label.rsplit("-seed", 1)[0] if "-seed" in label else f"{algo}:{label}"
-    return base, seed
+    base = re.sub(r"[-_](seed|s)\d+$", "", label)  # name-seed0, name_seed1, name_s2 -> one band
+    return (base, seed) if base != label else (f"{algo}:{label}", seed)
 
 
-X_AXES = {"iteration": "iteration", "nfe": "nfe_rollout_cum", "time": "seconds_cum"}
+X_AXES = {"iteration": "iteration", "nfe": "nfe_rollout_cum", "rollouts": "rollouts_cum", "time": "seconds_cum"}
+X_NAMES = {"iteration": "iteration", "nfe": "rollout NFE (cumulative)", "rollouts": "images rolled out (cumulative)",
+           "time": "training seconds (cumulative)"}
+HELDOUT = {"heldout/all": "all", "heldout/reward": "reward"}  # metrics read from eval_curve.jsonl (log.eval_every)
+
+
+def _run_series(rd: Path, metric: str, x_axis: str, smoothing: int) -> tuple[list[float], list[float]]:
+    from .errors import FlowRLError
+
+    source = "eval_curve.jsonl" if metric in HELDOUT else "metrics.jsonl"
+    rows = read_metrics(Path(rd) / source)
+    if not rows:
+        hint = "; train with log.eval=shapes log.eval_every=N" if metric in HELDOUT else ""
+        raise FlowRLError(f"{rd}: no {source} rows; is this a flowrl run directory{hint}?")
+    key = HELDOUT.get(metric, metric)
+    if key not in rows[0]:
+        avail = ", ".join([k for k in rows[0] if k.startswith("reward")] + list(HELDOUT))
+        raise FlowRLError(f"{rd}: metric {metric!r} not logged (available: {avail})")
+    if X_AXES[x_axis] not in rows[-1]:
+        raise FlowRLError(f"{rd}: {X_AXES[x_axis]} is not logged by this run (older flowrl); use another --x")
+    xs = [r[X_AXES[x_axis]] for r in rows]
+    return xs, smooth([r[key] for r in rows], smoothing)
+
+
+def _first_reach(xs: list[float], ys: list[float], target: float) -> float | None:
+    return next((x for x, y in zip(xs, ys) if y >= target), None)
 
 
 def compare_runs(run_dirs: list[Path], out_dir: Path, x_axis: str = "iteration", metric: str = "reward_mean/total",
-                 smoothing: int = 1) -> tuple[Path, Path]:
-    """Plot ``metric`` of several runs against iteration / rollout NFE / wall time; runs that differ only in
-    seed are drawn as one mean line with a min-max band. Writes compare.png and compare.csv."""
+                 smoothing: int = 1) -> tuple[Path, Path, list[dict]]:
+    """Plot ``metric`` of several runs against iteration / rollout NFE / images / training time; runs that differ
+    only in seed are drawn as one mean line with a min-max band. ``heldout/all`` and ``heldout/reward`` read the
+    held-out curve (eval_curve.jsonl). Writes compare.png and compare.csv and returns a summary per label: start
+    and final values (mean, min, max over seeds), the x spent, and the x each seed needed to first reach the
+    first label's mean final value (``reach_*``; the first label is the reference)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -203,34 +232,43 @@ def compare_runs(run_dirs: list[Path], out_dir: Path, x_axis: str = "iteration",
     groups: dict[str, list[tuple[int, list[float], list[float]]]] = {}
     csv_rows = []
     for rd in run_dirs:
-        rows = read_metrics(Path(rd) / "metrics.jsonl")
-        if not rows:
-            raise FlowRLError(f"{rd}: no metrics.jsonl rows; is this a flowrl run directory?")
-        if metric not in rows[0]:
-            avail = ", ".join(k for k in rows[0] if k.startswith("reward"))
-            raise FlowRLError(f"{rd}: metric {metric!r} not logged (available: {avail})")
-        xs = [r[X_AXES[x_axis]] for r in rows]
-        ys = smooth([r[metric] for r in rows], smoothing)
+        xs, ys = _run_series(Path(rd), metric, x_axis, smoothing)
         label, seed = _run_label(Path(rd))
         groups.setdefault(label, []).append((seed, xs, ys))
         csv_rows += [{"run": str(rd), "label": label, "seed": seed, x_axis: x, metric: y} for x, y in zip(xs, ys)]
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for i, (label, runs) in enumerate(sorted(groups.items())):
+    scale = 100.0 if metric == "heldout/all" else 1.0  # accuracy drawn in %
+    for i, (label, runs) in enumerate(groups.items()):
         color = f"C{i % 10}"
         n = min(len(r[1]) for r in runs)
         xs = [sum(r[1][j] for r in runs) / len(runs) for j in range(n)]
-        ys = [[r[2][j] for r in runs] for j in range(n)]
+        ys = [[scale * r[2][j] for r in runs] for j in range(n)]
         mean = [sum(v) / len(v) for v in ys]
-        ax.plot(xs, mean, color=color, label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        ax.plot(xs, mean, color=color, marker="." if metric in HELDOUT else None,
+                label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
         if len(runs) > 1:
             ax.fill_between(xs, [min(v) for v in ys], [max(v) for v in ys], color=color, alpha=0.2)
-    ax.set_xlabel({"iteration": "iteration", "nfe": "rollout NFE (cumulative)", "time": "wall time (s)"}[x_axis])
-    ax.set_ylabel(metric + (f" (smoothed {smoothing})" if smoothing > 1 else ""))
+    ax.set_xlabel(X_NAMES[x_axis])
+    ax.set_ylabel((metric + " (%)" if scale != 1 else metric) + (f" (smoothed {smoothing})" if smoothing > 1 else ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+    # summary: the reference is the first label given
+    reference = None
+    summary = []
+    for label, runs in groups.items():
+        finals, starts = [r[2][-1] for r in runs], [r[2][0] for r in runs]
+        mean_final = sum(finals) / len(finals)
+        reference = mean_final if reference is None else reference
+        spent = sum(r[1][-1] for r in runs) / len(runs)
+        reach = [_first_reach(r[1], r[2], reference) for r in runs]
+        summary.append({"label": label, "seeds": sorted(r[0] for r in runs), "start": round(sum(starts) / len(starts), 4),
+                        "final_mean": round(mean_final, 4), "final_min": round(min(finals), 4),
+                        "final_max": round(max(finals), 4), f"{x_axis}_spent": round(spent, 1),
+                        f"reach_{x_axis}": [None if x is None else round(x, 1) for x in reach],
+                        "reach_target": round(reference, 4)})
     out_dir.mkdir(parents=True, exist_ok=True)
     png = out_dir / "compare.png"
     _savefig(fig, png)
     csv_path = out_dir / "compare.csv"
     write_csv(csv_path, csv_rows, ["run", "label", "seed", x_axis, metric])
-    return png, csv_path
+    return png, csv_path, summary

@@ -51,6 +51,16 @@ def test_compare_with_seed_band(run_dirs, tmp_path, capsys):
     assert len(csv_text) == 1 + 6
     assert {line.split(",")[1] for line in csv_text[1:]} == {"cli"}  # both seeds form one band
     assert (tmp_path / "cmp" / "compare.png").is_file()
+    (summary,) = json.loads(capsys.readouterr().out)["summary"]
+    series = {}
+    for line in csv_text[1:]:
+        _, _, seed, x, y = line.split(",")
+        series.setdefault(int(seed), []).append((float(x), float(y)))
+    finals = [series[s][-1][1] for s in (0, 1)]
+    assert summary["seeds"] == [0, 1] and abs(summary["final_mean"] - sum(finals) / 2) < 1e-4
+    target = sum(finals) / 2  # the first (only) label is its own reference: each seed's first x at or above it
+    assert summary["reach_nfe"] == [next((x for x, y in series[s] if y >= target), None) for s in (0, 1)]
+    assert summary["nfe_spent"] == sum(series[s][-1][0] for s in (0, 1)) / 2
 
 
 def test_bench_prints_json(capsys, tmp_path):

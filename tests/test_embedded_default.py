@@ -71,6 +71,11 @@ def test_heldout_curve_counts_the_work_spent(tmp_path):
     again = shapes_accuracy(t.adapter, t.sigmas_eval(), [0], t.cfg.sampler.guidance_scale, t.negative)
     assert curve[0]["all"] == again["all"] and curve[0]["reward"] == again["reward"]
     assert (run / "reward_curve.png").stat().st_size > 0
+    from flowrl.report import compare_runs
+
+    _, _, (summary,) = compare_runs([run], tmp_path / "cmp", "rollouts", "heldout/all")
+    assert summary["start"] == curve[0]["all"] and summary["final_mean"] == curve[-1]["all"]
+    assert summary["rollouts_spent"] == curve[-1]["rollouts_cum"] == 14
 
 
 def test_tiny_clip_scores_matching_captions_higher():
