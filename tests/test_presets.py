@@ -38,3 +38,11 @@ def test_preset_accounting():
     mix = build_plan(load_config(ROOT / "configs/tiny_mix_grpo.yaml"), 0)
     assert mix.accounting()["trained_edges_per_leaf"] == 3.0
     assert mix.accounting()["nfe_rollout_per_leaf"] == 1 / 8 + 9  # root once, then 8 nodes x 9 depths
+
+
+def test_shapes_branch_preset_accounting():
+    # splits at steps 0 and 1 with K = 2 over 10 steps: per tree 1 + 2 parents, then 4 chains of 8 steps
+    # -> 35 transformer passes and 2 + 4 + 4 * 8 = 38 edges for 4 leaves; Mix trains the 6 edges of steps 0-1
+    plan = build_plan(load_config(ROOT / "configs/tiny_shapes_branch_grpo.yaml"), 0)
+    assert plan.accounting() == {"leaves_per_prompt": 4, "nfe_rollout_per_leaf": 35 / 4, "edges_per_leaf": 38 / 4,
+                                 "trained_edges_per_leaf": 6 / 4}
