@@ -242,15 +242,11 @@ class Trainer:
         """Held-out accuracy (shapes) written to eval.json; a before | after grid on held-out prompts."""
         import json
 
-        from .evaluate import shapes_accuracy
         from .prompts import prompt_set
 
         cfg = self.cfg
-        sig = self.sigmas_eval()
         seeds = cfg.log.eval_seeds
-        with self.ema_weights():
-            result, all_images = shapes_accuracy(self.adapter, sig, seeds, cfg.sampler.guidance_scale, self.negative,
-                                                 max_batch=cfg.algorithm.max_batch, return_images=True)
+        result, all_images = self._heldout(seeds, return_images=True)
         # the grid reuses the evaluation's own samples: held-out prompts spread over shapes, the first seeds
         held = prompt_set("shapes-heldout")
         picks = list(range(0, len(held), max(1, len(held) // self.GRID_PROMPTS)))[: self.GRID_PROMPTS]
@@ -273,18 +269,22 @@ class Trainer:
                              row_labels=prompts, title=title)
         return result
 
+    def _heldout(self, seeds: list[int], return_images: bool = False):
+        """Held-out shapes accuracy of the (EMA) policy, ODE on the evaluation grid: the full evaluation and the
+        curve points differ only in their seeds."""
+        from .evaluate import shapes_accuracy
+
+        with self.ema_weights():
+            return shapes_accuracy(self.adapter, self.sigmas_eval(), seeds, self.cfg.sampler.guidance_scale,
+                                   self.negative, max_batch=self.cfg.algorithm.max_batch, return_images=return_images)
+
     def curve_point(self, done: int) -> None:
         """One held-out point (the first ``log.eval_curve_seeds`` evaluation seeds) appended to eval_curve.jsonl
         with the work spent so far, so runs can be compared per rollout and per training second."""
         cfg = self.cfg
         if cfg.log.eval == "none" or not cfg.log.eval_every:
             return
-        from .evaluate import shapes_accuracy
-
-        seeds = cfg.log.eval_seeds[: cfg.log.eval_curve_seeds]
-        with self.ema_weights():
-            result = shapes_accuracy(self.adapter, self.sigmas_eval(), seeds, cfg.sampler.guidance_scale,
-                                     self.negative, max_batch=cfg.algorithm.max_batch)
+        result = self._heldout(cfg.log.eval_seeds[: cfg.log.eval_curve_seeds])
         report.append_metrics(self.curve_path,
                               {"iteration": done, **self._cumulative, "all": result["all"], "reward": result["reward"],
                                "images": result["images"]})
