@@ -33,6 +33,7 @@ from .advantages import group_advantages
 from .config import WINDOWABLE
 from .errors import ConfigError
 from .samplers import RolloutPlan, StepSpec
+from .samplers.kernels import flow_grpo_noise_scale
 from . import trees
 
 SIDE_BRANCH = ("tempflow_grpo", "e_grpo", "ada_grpo")
@@ -58,13 +59,12 @@ def window_start(cfg, iteration: int, rng: random.Random) -> int:
 def step_entropy_score(sigmas: torch.Tensor, i: int, length: int, noise_level: float, scale: str) -> float:
     """E-GRPO's entropy of the SDE step sigma_i -> sigma_{i+length} on the scale tau is compared with.
 
-    The transition is N(mu, s^2 I) with s^2 = a^2 sigma/(1 - sigma) * (sigma_i - sigma_{i+l}) (sigma = 1 is
-    replaced by sigma_1, as in the kernel). Per dimension h/d = 0.5 log(2 pi e s^2), so
+    The transition is N(mu, s^2 I) with s^2 = g(sigma_i)^2 (sigma_i - sigma_{i+l}), g the kernel's
+    a sqrt(sigma / (1 - sigma_r)) (sigma_r = sigma_1 in the denominator at sigma = 1, as in the kernel). Per dimension h/d = 0.5 log(2 pi e s^2), so
     exp_entropy_per_dim = sqrt(2 pi e s^2), variance = 2 pi e s^2, log_variance = log(2 pi e s^2).
     """
     s = float(sigmas[i])
-    s_r = float(sigmas[1]) if s >= 1.0 else s
-    var = noise_level**2 * s_r / (1 - s_r) * (s - float(sigmas[i + length]))
+    var = flow_grpo_noise_scale(s, float(sigmas[1]), noise_level) ** 2 * (s - float(sigmas[i + length]))
     v = 2 * math.pi * math.e * var
     return {"exp_entropy_per_dim": math.sqrt(v), "variance": v, "log_variance": math.log(v)}[scale]
 

@@ -29,7 +29,7 @@ from .prompts import DEFAULT_TINY_PROMPTS, PromptSource
 from .rewards import build_reward_set
 from .rewards.registry import RewardScores
 from .samplers import RolloutPlan, StepSpec, make_sigmas
-from .samplers.kernels import step as kernel_step
+from .samplers.kernels import flow_grpo_noise_scale, step as kernel_step
 from .samplers.schedules import dynamic_shift_mu
 from .trackers import BetaTracker, CapabilityEMA, superflow_group_sizes
 
@@ -475,12 +475,11 @@ class Trainer:
 
     def _sigma_t_weights(self, tree: Tree, masks) -> dict[int, float]:
         """SuperFlow's step-level advantage eta * sigma_t * A as a per-step loss weight (the PPO-clip loss is
-        linear in a positive scale of A): sigma_t = a sqrt(sigma / (1 - sigma)), sigma = 1 -> sigma_1."""
+        linear in a positive scale of A): sigma_t = a sqrt(sigma / (1 - sigma_r)), sigma_r = sigma_1 at sigma = 1."""
         a, eta = self.cfg.sampler.noise_level, self.cfg.algorithm.tracker.step_eta
         out = {}
         for i in range(tree.num_steps):
-            s = float(tree.sigmas[i]) if float(tree.sigmas[i]) < 1 else float(tree.sigmas[1])
-            out[i] = eta * a * math.sqrt(s / (1 - s)) if eta > 0 else 1.0
+            out[i] = eta * flow_grpo_noise_scale(float(tree.sigmas[i]), float(tree.sigmas[1]), a) if eta > 0 else 1.0
         return out
 
     def _edge_terms(self, tree: Tree, units: list[Unit], cond, node_adv):

@@ -66,6 +66,19 @@ def ode_step(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, **_) -> StepOu
     return StepOutput(mean, mean, zero, torch.zeros(x.shape[0], device=x.device))
 
 
+def denominator_sigma(sigma: torch.Tensor, sigma_at_one) -> torch.Tensor:
+    """sigma_r of Flow-GRPO's g = a sqrt(sigma / (1 - sigma_r)): sigma, or ``sigma_at_one`` where sigma == 1."""
+    if sigma_at_one is None:
+        return sigma
+    return torch.where(sigma >= 1.0, torch.as_tensor(sigma_at_one, dtype=sigma.dtype, device=sigma.device), sigma)
+
+
+def flow_grpo_noise_scale(sigma: float, sigma_at_one: float, noise_level: float) -> float:
+    """g(sigma) = a sqrt(sigma / (1 - sigma_r)) for one grid point, as the kernel uses it (no sqrt(dt))."""
+    s_r = sigma_at_one if sigma >= 1.0 else sigma
+    return noise_level * math.sqrt(sigma / (1 - s_r))
+
+
 def flow_grpo_sde_step(
     x: torch.Tensor,
     v: torch.Tensor,
@@ -79,17 +92,15 @@ def flow_grpo_sde_step(
 ) -> StepOutput:
     """Flow-GRPO SDE (Euler-Maruyama of the marginal-preserving SDE with g = a sqrt(sigma / (1 - sigma))).
 
-    ``sigma_at_one`` replaces sigma inside sqrt(sigma / (1 - sigma)) when sigma == 1 (the anchors use
-    ``sigmas[1]``), avoiding a division by zero at the first step.
+    ``sigma_at_one`` replaces sigma in the *denominator* of sqrt(sigma / (1 - sigma)) when sigma == 1 (the
+    anchors use ``sigmas[1]``), avoiding a division by zero at the first step; the numerator keeps the true
+    sigma, so the whole transition std at sigma = 1 is a * sqrt(1 / (1 - sigma_1)) * sqrt(1 - sigma_1) = a.
     """
     x, v = x.float(), v.float()
     s = _as_batch(sigma, x)
     s_next = _as_batch(sigma_next, x)
     dt = s_next - s
-    s_noise = s
-    if sigma_at_one is not None:
-        s_noise = torch.where(s >= 1.0, _as_batch(sigma_at_one, x), s)
-    std_dev = noise_level * torch.sqrt(s_noise / (1 - s_noise))
+    std_dev = noise_level * torch.sqrt(s / (1 - denominator_sigma(s, sigma_at_one)))
     mean = x * (1 + std_dev**2 / (2 * s) * dt) + v * (1 + std_dev**2 * (1 - s) / (2 * s)) * dt
     std = std_dev * torch.sqrt(-dt)
     return _finish(mean, std, noise, prev_sample, reduce)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from flowrl.samplers import cps_step, dance_sde_step, flow_grpo_sde_step, gaussian_log_prob, ode_step
+from flowrl.samplers import static_shift_sigmas, cps_step, dance_sde_step, flow_grpo_sde_step, gaussian_log_prob, ode_step
 
 X, V, EPS = 0.3, -1.2, 0.5  # one latent element
 S, S_NEXT = 0.6, 0.45
@@ -42,12 +42,23 @@ def test_flow_grpo_sde_matches_paper_formula():
     assert out.mean.item() == pytest.approx(0.2724375 + 0.2241, abs=1e-6)  # = 0.4965375
 
 
-def test_flow_grpo_sigma_one_uses_substitute():
+def test_flow_grpo_sigma_one_substitutes_only_the_denominator():
+    # at sigma = 1, g = a sqrt(1 / (1 - sigma_1)) and |dt| = 1 - sigma_1, so the transition std is exactly a
     s1 = 0.9
     out = flow_grpo_sde_step(t(X), t(V), 1.0, s1, noise_level=0.7, sigma_at_one=s1, noise=t(0.0))
-    std_dev = 0.7 * math.sqrt(s1 / (1 - s1))
-    assert out.std.item() == pytest.approx(std_dev * math.sqrt(1 - s1), rel=1e-6)
+    assert out.std.item() == pytest.approx(0.7, rel=1e-6)
     assert torch.isfinite(out.log_prob).all()
+
+
+def test_flow_grpo_first_step_std_is_a_on_the_shifted_grid():
+    # T = 10, shift 3: sigma_1 = 3 * 0.9 / (1 + 2 * 0.9) = 0.964286; the earlier form a sqrt(sigma_1) gave 0.687
+    sig = static_shift_sigmas(10, 3.0)
+    assert float(sig[1]) == pytest.approx(2.7 / 2.8, rel=1e-6)
+    x = torch.zeros(1, 3, 2, 2)
+    out = flow_grpo_sde_step(x, x, float(sig[0]), float(sig[1]), noise_level=0.7, sigma_at_one=float(sig[1]),
+                             noise=torch.zeros_like(x))
+    assert out.std.item() == pytest.approx(0.700, abs=1e-6)
+    assert 0.7 * math.sqrt(float(sig[1])) == pytest.approx(0.687, abs=1e-3)  # the value the old kernel gave
 
 
 def test_dance_sde_matches_formula():

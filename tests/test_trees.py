@@ -130,7 +130,9 @@ def test_correlated_sibling_noise_is_marginal_preserving():
 def test_entropy_merge_rule_matches_the_spec_numbers():
     sig = static_shift_sigmas(16, 3.0)
     e1 = [step_entropy_score(sig, i, 1, 0.7, "exp_entropy_per_dim") for i in range(8)]
-    assert e1 == pytest.approx([2.86, 2.99, 2.14, 1.76, 1.54, 1.39, 1.28, 1.19], abs=0.006)
+    # i = 0: the transition std there is exactly a, so E = sqrt(2 pi e) a = 2.893 (the spec's 2.89)
+    assert e1[0] == pytest.approx(math.sqrt(2 * math.pi * math.e) * 0.7, rel=1e-5)
+    assert e1 == pytest.approx([2.89, 2.99, 2.14, 1.76, 1.54, 1.39, 1.28, 1.19], abs=0.006)
     steps = list(range(8))
     assert entropy_merge_lengths(sig, steps, 0.7, 2.2, "exp_entropy_per_dim") == [1, 1, 2, 2, 2, 3, 3, 3]
     assert entropy_merge_lengths(sig, steps, 0.7, 2.2, "variance") == [1, 1, 1, 1, 1, 2, 2, 2]
@@ -247,7 +249,7 @@ def test_noise_aware_weights_average_one(tmp_path):
     assert sorted(w) == list(range(9)) and sum(w.values()) / 9 == pytest.approx(1.0)
     sig = trainer.sigmas.double()
     s_r = torch.where(sig[:9] >= 1, sig[1], sig[:9])
-    expect = 0.7 * torch.sqrt(s_r / (1 - s_r)) * torch.sqrt(sig[:9] - sig[1:10])  # sigma_t sqrt(dt)
+    expect = 0.7 * torch.sqrt(sig[:9] / (1 - s_r)) * torch.sqrt(sig[:9] - sig[1:10])  # sigma_t sqrt(dt), sigma_1 below only
     assert [w[i] for i in range(9)] == pytest.approx((expect / expect.mean()).tolist(), rel=1e-4)
 
 
