@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	-$(PY) -m pip uninstall -q -y flowrl 2>/dev/null  # the distribution's name before it became flowrl-tree
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
 

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from .algorithms import build_plan
+
 from .engine import rollout
 
 
@@ -30,17 +30,18 @@ def _time_rollout(trainer, plan, cond, max_batch: int, repeats: int) -> tuple[fl
 
 
 def run_bench(cfg, repeats: int = 1) -> dict:
-    from .trainer import Trainer, peak_memory_mb
+    from .sampling import peak_memory_mb
+    from .trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, output_dir=tmp, run_name="bench", progress=False))
         trainer = Trainer(cfg)
         trainer.iteration(0)  # warm-up (allocations, caches)
         row = trainer.iteration(1)
-        plan = build_plan(cfg, 1, random.Random(0), trainer.sigmas)
+        plan = trainer.algorithm.plan(1, random.Random(0), trainer.sigmas)
         prompts, _ = trainer.prompts.batch(1, cfg.train.prompts_per_iter)
         cond = trainer.adapter.encode_prompts(prompts)
-        batched, calls_b = _time_rollout(trainer, plan, cond, cfg.algorithm.max_batch, repeats)
+        batched, calls_b = _time_rollout(trainer, plan, cond, cfg.sampler.max_batch, repeats)
         single, calls_1 = _time_rollout(trainer, plan, cond, 1, repeats)
         leaves = plan.leaves_per_prompt * len(prompts)
         return {
@@ -58,7 +59,7 @@ def run_bench(cfg, repeats: int = 1) -> dict:
             "seconds_train": round(row["seconds_train"], 4),
             "seconds_iteration": round(row["seconds_rollout"] + row["seconds_reward"] + row["seconds_train"], 4),
             "peak_memory_mb": round(peak_memory_mb(trainer.device), 1),
-            "rollout_batched": {"max_batch": cfg.algorithm.max_batch, "seconds": round(batched, 4), "transformer_calls": calls_b},
+            "rollout_batched": {"max_batch": cfg.sampler.max_batch, "seconds": round(batched, 4), "transformer_calls": calls_b},
             "rollout_max_batch_1": {"max_batch": 1, "seconds": round(single, 4), "transformer_calls": calls_1},
             "speedup_batched_vs_1": round(single / batched, 2),
             "device": str(trainer.device),

@@ -27,10 +27,10 @@ def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
 
 
-def save_checkpoint(ckpt_dir: Path, transformer, optimizer, iteration: int, lora: bool, ema=None,
+def save_checkpoint(ckpt_dir: Path, adapter, transformer, optimizer, iteration: int, lora: bool, ema=None,
                     extra: dict | None = None, keep: int = 2) -> Path:
-    from diffusers import StableDiffusion3Pipeline
-
+    """``adapter.save_lora`` writes LoRA weights in its family's diffusers format; full fine-tuning saves the
+    transformer with ``save_pretrained`` (safetensors)."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = ckpt_dir.with_name(f".{ckpt_dir.name}.tmp")
@@ -40,8 +40,7 @@ def save_checkpoint(ckpt_dir: Path, transformer, optimizer, iteration: int, lora
         # the adapter metadata (rank, alpha, targets) lets diffusers rebuild the same scale alpha / r
         peft_cfg = transformer.peft_config["default"].to_dict()
         meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in peft_cfg.items()}
-        StableDiffusion3Pipeline.save_lora_weights(str(tmp), transformer_lora_layers=lora_state_dict(transformer),
-                                                   transformer_lora_adapter_metadata=meta)
+        adapter.save_lora(tmp, lora_state_dict(transformer), meta)
     else:
         transformer.save_pretrained(str(tmp / "transformer"), safe_serialization=True)
     state = {"optimizer": optimizer.state_dict(), "iteration": iteration}
@@ -62,6 +61,43 @@ def save_checkpoint(ckpt_dir: Path, transformer, optimizer, iteration: int, lora
 def latest_checkpoint(run_dir: Path) -> Path | None:
     ckpts = sorted(p for p in (Path(run_dir) / "checkpoints").glob("iter_*") if (p / "state.json").is_file())
     return ckpts[-1] if ckpts else None
+
+
+def find_checkpoint(path: str | Path, iteration: int | None = None) -> Path:
+    """A checkpoint folder, or a run directory's latest checkpoint (or the one saved after ``iteration``)."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        if iteration is None:
+            ckpt = latest_checkpoint(path)
+            if ckpt is None:
+                raise FlowRLError(f"{path}: no checkpoint under {path}/checkpoints")
+            return ckpt
+        ckpt = path / "checkpoints" / f"iter_{iteration:05d}"
+        if not (ckpt / "state.json").is_file():
+            have = sorted(int(p.name[5:]) for p in (path / "checkpoints").glob("iter_*") if (p / "state.json").is_file())
+            raise FlowRLError(f"{path}: no checkpoint at iteration {iteration}; saved: {have}")
+        return ckpt
+    if not (path / "state.json").is_file():
+        raise FlowRLError(f"{path}: neither a run directory nor a flowrl checkpoint folder")
+    return path
+
+
+def checkpoint_is_lora(ckpt_dir: Path) -> bool:
+    return bool(json.loads((Path(ckpt_dir) / "state.json").read_text()).get("lora", True))
+
+
+def load_full_into(transformer, ckpt_dir: Path) -> None:
+    """Full fine-tuning weights (safetensors from ``save_pretrained``) into a transformer of the same config."""
+    files = sorted((Path(ckpt_dir) / "transformer").glob("*.safetensors"))
+    if not files:
+        raise FlowRLError(f"{ckpt_dir}: no transformer weights (transformer/*.safetensors)")
+    sd = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    missing, unexpected = transformer.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise FlowRLError(f"{ckpt_dir}: weights do not match this transformer (missing {list(missing)[:3]}, "
+                          f"unexpected {list(unexpected)[:3]}); use the run's own config.yaml")
 
 
 def load_lora_into(transformer, ckpt_dir: Path) -> None:

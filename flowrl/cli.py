@@ -25,7 +25,9 @@ def cmd_train(args) -> int:
     trainer = Trainer(cfg, config_name=name)
     print(f"run directory: {trainer.run_dir}", file=sys.stderr)
     run_dir = trainer.train()
-    rows = __import__("flowrl.report", fromlist=["read_metrics"]).read_metrics(run_dir / "metrics.jsonl")
+    from .report import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
     if rows:
         k = max(1, len(rows) // 5)
         first = sum(r["reward_mean/total"] for r in rows[:k]) / k
@@ -43,60 +45,62 @@ def cmd_train(args) -> int:
 
 
 def _checkpoint_and_config(args, default_config: Path | None = None):
-    """(checkpoint folder or None, config): a run directory means its latest checkpoint, and the run's own
-    config.yaml is used unless a config is given."""
-    from .checkpoint import latest_checkpoint
+    """(checkpoint folder or None, config): a run directory means its latest checkpoint (or the one after
+    ``--iteration``), and the run's own config.yaml is used unless a config is given."""
+    from .checkpoint import find_checkpoint
     from .config import load_config
 
     if not args.checkpoint:
+        if getattr(args, "iteration", None) is not None:
+            raise FlowRLError("--iteration needs --checkpoint RUN_DIR")
         return None, load_config(args.config or default_config, args.overrides)
-    ckpt = Path(args.checkpoint)
-    if (ckpt / "checkpoints").is_dir():
-        ckpt = latest_checkpoint(ckpt)
-    if ckpt is None or not (ckpt / "state.json").is_file():
-        raise FlowRLError(f"--checkpoint {args.checkpoint}: not a flowrl checkpoint or run directory")
+    ckpt = find_checkpoint(args.checkpoint, getattr(args, "iteration", None))
     return ckpt, load_config(args.config or ckpt.parent.parent / "config.yaml", args.overrides)
 
 
-def _apply_lora_checkpoint(adapter, cfg, ckpt: Path, command: str) -> None:
-    from .checkpoint import load_lora_into
-    from .trainer import add_lora
+def _load_checkpoint_into(adapter, cfg, ckpt: Path) -> None:
+    """A run's LoRA or full fine-tuning weights into the base model's adapter."""
+    from .checkpoint import checkpoint_is_lora, load_full_into, load_lora_into
+    from .policy import add_lora
 
-    if not cfg.train.lora.enabled:
-        raise FlowRLError(f"{command} --checkpoint supports LoRA checkpoints; load a full fine-tune with diffusers")
-    add_lora(adapter.transformer, cfg.train.lora, adapter.lora_targets)
-    load_lora_into(adapter.transformer, ckpt)
+    if checkpoint_is_lora(ckpt):
+        add_lora(adapter.transformer, cfg.train.lora, adapter.lora_targets)
+        load_lora_into(adapter.transformer, ckpt)
+    else:
+        load_full_into(adapter.transformer, ckpt)
 
 
 def cmd_sample(args) -> int:
-
-    from .models import SD3Adapter
+    from .models import load_adapter
     from .report import save_grid, side_by_side
-    from .trainer import resolve_device, sample_images, sigmas_for
+    from .sampling import Sampler, resolve_device
 
     ckpt, cfg = _checkpoint_and_config(args)
     prompts = args.prompt or cfg.data.sample_prompts or cfg.data.prompts
+    if not prompts and cfg.data.prompt_set != "none":
+        from .prompts import prompt_set
+
+        prompts = prompt_set(cfg.data.prompt_set)[:4]
     if not prompts:
         from .prompts import DEFAULT_TINY_PROMPTS
 
         prompts = DEFAULT_TINY_PROMPTS[:4]
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else cfg.data.sample_seeds
-    device = resolve_device(cfg.device)
-    adapter = SD3Adapter.from_config(cfg.model, device)
-    shape = adapter.latent_shape(cfg.model.resolution)
-    sigmas = sigmas_for(cfg, adapter, args.steps or cfg.sampler.eval_num_steps)
-    neg = adapter.encode_prompts([cfg.sampler.negative_prompt]) if cfg.sampler.guidance_scale > 1 else None
-    base = sample_images(adapter, prompts, seeds, sigmas, shape, cfg.sampler.guidance_scale, neg)
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise FlowRLError(f"--out {out} exists; choose another path or pass --overwrite")
+    adapter = load_adapter(cfg.model, resolve_device(cfg.device))
+    base = Sampler(cfg, adapter, num_steps=args.steps)(prompts, seeds)
     images, title = base, "base model"
     if ckpt is not None:
-        _apply_lora_checkpoint(adapter, cfg, ckpt, "sample")
-        tuned = sample_images(adapter, prompts, seeds, sigmas, shape, cfg.sampler.guidance_scale, neg)
+        _load_checkpoint_into(adapter, cfg, ckpt)
+        tuned = Sampler(cfg, adapter, num_steps=args.steps)(prompts, seeds)
         images = side_by_side(base, tuned, len(seeds))  # each row: base seeds | fine-tuned seeds
-        title = f"left {len(seeds)}: base | right {len(seeds)}: {ckpt.name}"
+        title = f"left {len(seeds)}: base | right {len(seeds)}: {ckpt.parent.parent.name}/{ckpt.name}"
         seeds = seeds * 2
-    out = Path(args.out)
     save_grid(images, len(seeds), out, row_labels=prompts, title=title)
-    print(json.dumps({"grid": str(out), "prompts": len(prompts), "seeds": len(seeds)}))
+    print(json.dumps({"grid": str(out), "prompts": len(prompts), "seeds": len(seeds),
+                      "checkpoint": str(ckpt) if ckpt else None}))
     return 0
 
 
@@ -131,15 +135,15 @@ def cmd_bench(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    """Held-out shapes accuracy of the shipped model (no arguments) or of a run's LoRA checkpoint; with
+    """Held-out shapes accuracy of the shipped model (no arguments) or of a run's checkpoint; with
     --prompts / --reward, the papers' reward table (mean and std per metric) on a prompt file, also as CSV."""
-    from .evaluate import format_table, reward_table, shapes_accuracy
+    from .evaluate import format_table, reward_table
+    from .models import load_adapter
+    from .registry import EVALUATORS, resolve
     from .report import write_csv
-    from .models import SD3Adapter
-    from .trainer import resolve_device, sigmas_for
+    from .sampling import Sampler, resolve_device
 
-    default = Path(__file__).resolve().parent.parent / "configs" / "tiny_shapes_flow_grpo.yaml"
-    ckpt, cfg = _checkpoint_and_config(args, default)
+    ckpt, cfg = _checkpoint_and_config(args, Path("tiny_shapes_flow_grpo.yaml"))
     table_mode = bool(args.prompts or args.reward)
     if table_mode:  # everything that can fail on bad input before any sampling
         from .config import RewardSpec
@@ -163,22 +167,24 @@ def cmd_eval(args) -> int:
         specs = ([RewardSpec(name=n, args=reward_args[i] if i < len(reward_args) else {}) for i, n in enumerate(names)]
                  or cfg.rewards)
         reward_set = build_reward_set(specs)
-    adapter = SD3Adapter.from_config(cfg.model, resolve_device(cfg.device))
+    else:
+        evaluator = resolve(EVALUATORS, "shapes", "eval")()
+    adapter = load_adapter(cfg.model, resolve_device(cfg.device))
     if ckpt is not None:
-        _apply_lora_checkpoint(adapter, cfg, ckpt, "eval")
+        _load_checkpoint_into(adapter, cfg, ckpt)
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else cfg.log.eval_seeds
-    sig = sigmas_for(cfg, adapter, args.steps or cfg.sampler.eval_num_steps)
-    g = cfg.sampler.guidance_scale if args.cfg is None else args.cfg
-    neg = adapter.encode_prompts([cfg.sampler.negative_prompt]) if g > 1 else None
-    info = {"model": cfg.model.pretrained, "checkpoint": str(ckpt) if ckpt else None, "steps": len(sig) - 1,
-            "guidance_scale": g}
+    sampler = Sampler(cfg, adapter, num_steps=args.steps, guidance_scale=args.cfg)
+    info = {"model": cfg.model.pretrained, "checkpoint": str(ckpt) if ckpt else None, "steps": len(sampler.sigmas) - 1,
+            "guidance_scale": sampler.guidance_scale}
     if not table_mode:
-        result = shapes_accuracy(adapter, sig, seeds, g, neg, split=args.split)
+        from .shapes.evaluate import shapes_accuracy
+
+        result = shapes_accuracy(sampler, seeds, split=args.split) if args.split != "shapes-heldout" else evaluator(sampler, seeds)
         result.update(info)
         print(json.dumps(result))
         return 0
-    summary, samples = reward_table(adapter, prompts, metadata, seeds, sig, reward_set, g, neg,
-                                    cfg.algorithm.max_batch, progress=cfg.log.progress)
+    summary, samples = reward_table(sampler, prompts, metadata, seeds, reward_set, cfg.sampler.max_batch,
+                                    progress=cfg.log.progress)
     out = Path(args.csv)
     write_csv(out.with_name(out.stem + "_samples.csv"), samples)
     write_csv(out, summary)
@@ -189,8 +195,18 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_presets(args) -> int:
+    """The shipped presets: each config's name and the command line its header starts with."""
+    from .resources import configs_dir
+
+    for path in sorted(configs_dir().glob("*.yaml")):
+        first = path.read_text().splitlines()[0].lstrip("# ").strip() if path.stat().st_size else ""
+        print(f"{path.stem:34s} {first}")
+    return 0
+
+
 def cmd_pretrain_tiny(args) -> int:
-    from .pretrain import pretrain_tiny
+    from .shapes.pretrain import pretrain_tiny
 
     pretrain_tiny(args.work_dir, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                   save_every=args.save_every, grid_every=args.grid_every, export_dir=args.export_dir,
@@ -199,7 +215,7 @@ def cmd_pretrain_tiny(args) -> int:
 
 
 def cmd_pretrain_tiny_clip(args) -> int:
-    from .tiny_clip import pretrain_tiny_clip
+    from .shapes.tiny_clip import pretrain_tiny_clip
 
     print(json.dumps(pretrain_tiny_clip(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                                         export_dir=args.export_dir)))
@@ -229,7 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sample", help="grid of prompts x seeds from the base model, or base | checkpoint side by side")
     s.add_argument("config", nargs="?")
     s.add_argument("overrides", nargs="*")
-    s.add_argument("--checkpoint", help="checkpoint folder or run directory (latest checkpoint)")
+    s.add_argument("--checkpoint", help="checkpoint folder or run directory (its latest checkpoint; LoRA or full "
+                   "fine-tuning)")
+    s.add_argument("--iteration", type=int, help="with a run directory: the checkpoint saved after this iteration")
+    s.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     s.add_argument("--prompt", action="append", help="prompt (repeatable); default: the config's sample prompts")
     s.add_argument("--seeds", help="comma-separated seeds")
     s.add_argument("--steps", type=int, help="ODE steps (default sampler.eval_num_steps)")
@@ -253,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="held-out shapes accuracy (one JSON line), or with --prompts/--reward a reward table + CSV")
     e.add_argument("config", nargs="?")
     e.add_argument("overrides", nargs="*")
-    e.add_argument("--checkpoint")
+    e.add_argument("--checkpoint", help="checkpoint folder or run directory (LoRA or full fine-tuning)")
+    e.add_argument("--iteration", type=int, help="with a run directory: the checkpoint saved after this iteration")
     e.add_argument("--split", default="shapes-heldout", choices=["shapes-heldout", "shapes-train"])
     e.add_argument("--seeds", help="comma-separated seeds (default log.eval_seeds)")
     e.add_argument("--steps", type=int)
@@ -264,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--reward-args", action="append", help="JSON keyword arguments for the matching --reward")
     e.add_argument("--csv", default="eval.csv", help="summary CSV (per-image scores go to <name>_samples.csv)")
     e.set_defaults(func=cmd_eval)
+    ps = sub.add_parser("presets", help="list the shipped configs (usable by name from any folder)")
+    ps.set_defaults(func=cmd_presets)
     pt = sub.add_parser("pretrain-tiny", help="pretrain the embedded tiny model on the shapes domain (CPU, resumable)")
     pt.add_argument("--work-dir", default="runs/pretrain-tiny", help="state, grids; rerun to resume")
     pt.add_argument("--steps", type=int, default=4000)

@@ -73,125 +73,18 @@ class SamplerConfig:
     rollout_batches: int = opt(1, "split each iteration's prompts into this many rollout batches (memory; and with "
                                "async_reward, scoring batch k overlaps the rollout of batch k+1)", lo=1)
     async_reward: bool = opt(True, "score a rollout batch in a background thread while the next batch is rolled out")
+    max_batch: int = opt(64, "most tree nodes per transformer call (rollout, sampling and evaluation)", lo=1)
+    cps_log_prob: str = opt("gaussian", "cps kernel: the true Gaussian log-prob, or the paper's and Flow-GRPO's "
+                            "unnormalised -(x' - mean)^2 (published CPS clip ranges assume it)",
+                            choices=["gaussian", "published"])
 
 
 @dataclass
-class WindowConfig:
-    size: int = opt(0, "SDE window length in steps (0 = no window: all steps SDE); with flow_grpo, dance_grpo, "
-                       "chunk_grpo or superflow a window makes only its steps SDE and trained", lo=0)
-    placement: str = opt("fixed", choices=["fixed", "random", "progressive"])
-    start: int = opt(0, "first window step for fixed placement", lo=0)
-    range_start: int = opt(0, "earliest window start (random / progressive)", lo=0)
-    range_end: int = opt(-1, "window must end by this step (-1 = num_steps - 1)")
-    stride: int = opt(1, "progressive: steps the window moves each shift", lo=0)
-    iters_per_shift: int = opt(25, "progressive: iterations before the window moves", lo=1)
-    roll_back: bool = opt(True, "progressive: restart at range_start after the last position")
+class AlgorithmOptions:
+    """What every algorithm's options share: its registered name. Each algorithm module defines its own
+    ``Options`` subclass (flowrl/algorithms); ``algorithm:`` in a config accepts only that algorithm's keys."""
 
-
-@dataclass
-class TreeConfig:
-    """BranchGRPO (algorithm.name = branch_grpo)."""
-
-    split_steps: list[int] = opt([0, 3, 6, 9], "step indices where every node branches")
-    branch_factor: int = opt(2, "children per node at a split step (K); leaves = K ** len(split_steps)", lo=2)
-    sibling_noise: str = opt("correlated", "correlated: the paper's marginal-preserving sibling noise; scaled: the "
-                             "released code (independent noise x strength, log-prob under the unscaled std)",
-                             choices=["correlated", "scaled", "independent"])
-    sibling_strength: float = opt(4.0, "s of the correlated construction, or the code's noise scale", lo=0.0)
-    fusion: str = opt("uniform", "leaf rewards -> node values: uniform mean, the paper's path-probability "
-                      "weighting (beta), or the code's recursive child-edge softmax",
-                      choices=["uniform", "path_weighted", "edge_softmax"])
-    fusion_beta: float = opt(1.0, "beta of path_weighted / edge_softmax fusion")
-    width_pruning: str = opt("none", "drop gradient work after the last split",
-                             choices=["none", "parent_top1", "extreme", "chain_ratio", "global_ratio"])
-    width_ratio: float = opt(0.5, "chain_ratio / global_ratio: fraction of post-split edges kept", lo=0.0, hi=1.0)
-    extreme_b: int = opt(0, "extreme: best and worst leaves kept per tree (0 = a quarter of the leaves)", lo=0)
-    depth_pruning: list[int] = opt([], "child depths whose edges are not trained at iteration 0 (empty = off)")
-    depth_slide_every: int = opt(30, "iterations between moves of the depth window (one depth earlier)", lo=1)
-    depth_stop: int = opt(-1, "the window stops when its shallowest depth reaches this (-1 = last split + 1)")
-    prune_until: float = opt(1.0, "prune only while iteration < prune_until * train.iterations", lo=0.0, hi=1.0)
-    mix: bool = opt(False, "BranchGRPO-Mix: ODE outside split steps and algorithm.window; only SDE edges trained")
-
-
-@dataclass
-class SideConfig:
-    """TempFlow-GRPO and E-GRPO: an ODE main line with group_size one-step SDE branches at active steps."""
-
-    steps: list[int] = opt([], "active steps (empty: tempflow_grpo all but the last, e_grpo the first half)")
-    seeds: int = opt(1, "main lines (initial noises) per prompt", lo=1)
-    group_by: str = opt("prompt", "advantage group per active step: all seeds of the prompt (released TempFlow "
-                        "code, E-GRPO) or one seed's branches (TempFlow paper)", choices=["prompt", "seed"])
-    merge: str = opt("adaptive", "e_grpo: merge lengths from the entropy rule (adaptive) or merge_lengths (list)",
-                     choices=["adaptive", "list"])
-    merge_lengths: list[int] = opt([], "e_grpo with merge=list: one length per active step")
-    granularities: list[int] = opt([1], "completion strides; [1, 2] is G2RPO's multi-granularity completion "
-                                   "(E-GRPO's released code): one ODE finish per stride, each normalised in its "
-                                   "own group, advantages summed")
-    tau: float = opt(2.2, "e_grpo entropy threshold")
-    tau_scale: str = opt("exp_entropy_per_dim", "what tau is compared with: exp(h/d) (default), the variance "
-                         "2 pi e s^2, or its log", choices=["exp_entropy_per_dim", "variance", "log_variance"])
-
-
-@dataclass
-class ChunkConfig:
-    """Chunk-GRPO (algorithm.name = chunk_grpo): the first T - 1 transitions in consecutive chunks."""
-
-    mode: str = opt("fixed", "fixed sizes (the released code), uniform size, or the v3 paper's adaptive split",
-                    choices=["fixed", "uniform", "adaptive"])
-    sizes: list[int] = opt([2, 3, 4, 7], "fixed: chunk sizes, high noise first; must sum to num_steps - 1")
-    size: int = opt(4, "uniform: transitions per chunk", lo=1)
-    min_size: int = opt(2, "adaptive: chunks are not split below this size", lo=1)
-    sampling: str = opt("uniform", "which chunks are trained: uniform without replacement, or weighted by the "
-                        "chunk's mean relative-L1 latent change", choices=["uniform", "weighted"])
-    weight_norm: str = opt("l1", "weighted sampling: l1-normalised means or their softmax", choices=["l1", "softmax"])
-
-
-@dataclass
-class TrackerConfig:
-    """SuperFlow (algorithm.name = superflow) and the `tracker` zero-variance policy: a per-prompt Beta tracker.
-    SuperFlow has no public code; the binning, the group-size mapping and the KL-adaptive forgetting are
-    assumptions documented in flowrl/trackers.py."""
-
-    rho: float = opt(0.9, "forgetting factor per visit", lo=0.0, hi=1.0)
-    rho_mode: str = opt("constant", "constant rho, or SPO's KL-adaptive clip(2^(-D/d_half), rho_min, 0.96) with D "
-                        "the last update's mean |log-prob change|", choices=["constant", "kl_adaptive"])
-    d_half: float = opt(0.06, lo=0.0, lo_open=True)
-    rho_min: float = opt(0.5, lo=0.0, hi=1.0)
-    reward_range: list[float] = opt([0.0, 1.0], "rewards are mapped linearly from this range to [0, 1] and clamped")
-    min_group: int = opt(4, "superflow: group size of the most certain prompts", lo=2)
-    max_group: int = opt(8, "superflow: group size of the most uncertain prompts", lo=2)
-    bins: int = opt(4, "superflow: priority bins between min_group and max_group", lo=1)
-    step_eta: float = opt(1.0, "superflow: step-level advantage eta * sigma_t * A (0 = off)", lo=0.0)
-
-
-@dataclass
-class CurriculumConfig:
-    """AdaGRPO (algorithm.name = ada_grpo): capability-aware prompt filtering."""
-
-    candidates: int = opt(10, "candidate prompts scored with one ODE anchor each per iteration", lo=1)
-    ema_alpha: float = opt(0.8, "EMA of the anchor scores' mean and variance", lo=0.0, hi=1.0)
-
-
-@dataclass
-class AlgorithmConfig:
-    name: str = opt("flow_grpo", choices=["flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo",
-                                          "tempflow_grpo", "e_grpo", "chunk_grpo",
-                                          "superflow", "ada_grpo"])
-    group_size: int = opt(4, "samples per prompt (G); branch_grpo: leaves per tree; tempflow/e_grpo: branches "
-                          "per active step and seed", lo=2)
-    shared_noise: bool = opt(False, "all G samples of a prompt start from the same noise (DanceGRPO)")
-    timestep_fraction: float = opt(0.99, "fraction of steps trained (flow_grpo: first int(T*f); dance: random subset)", lo=0.0, hi=1.0, lo_open=True)
-    timestep_selection: str = opt("first", choices=["first", "random"])
-    window: WindowConfig = field(default_factory=WindowConfig)
-    tree: TreeConfig = field(default_factory=TreeConfig)
-    side: SideConfig = field(default_factory=SideConfig)
-    chunk: ChunkConfig = field(default_factory=ChunkConfig)
-    tracker: TrackerConfig = field(default_factory=TrackerConfig)
-    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
-    loss_weight: str = opt("none", "per-edge loss weight: none; TempFlow's noise-aware sigma_t sqrt(dt) normalised "
-                           "to mean 1 over the trained steps; or SuperFlow's eta * sigma_t (tracker.step_eta)",
-                           choices=["none", "noise_aware", "sigma_t"])
-    max_batch: int = opt(64, "most tree nodes per transformer call", lo=1)
+    name: str = opt("flow_grpo", "a registered algorithm (flowrl/algorithms) or module:Class of a plug-in")
 
 
 @dataclass
@@ -207,6 +100,9 @@ class AdvantageConfig:
                              "train on the first prompts_per_iter groups that vary)",
                              choices=["zero", "global", "tracker", "drop_refill"])
     refill_extra: int = opt(2, "drop_refill: extra prompts rolled out per iteration", lo=0)
+    tracker_rho: float = opt(0.9, "zero_variance=tracker: the Beta tracker's forgetting factor", lo=0.0, hi=1.0)
+    tracker_reward_range: list[float] = opt([0.0, 1.0], "zero_variance=tracker: rewards are mapped from this range "
+                                            "to [0, 1] for the tracker")
     combine: str = opt("sum", "several rewards: 'sum' = advantages of the weighted reward sum (Flow-GRPO); "
                        "'per_reward' = each reward's own advantage (normalised in its own groups), weighted and "
                        "summed (DanceGRPO's multi-reward)", choices=["sum", "per_reward"])
@@ -237,6 +133,9 @@ class TrainConfig:
     adam_eps: float = opt(1e-8, lo=0.0, lo_open=True)
     clip_range: float = opt(1e-4, "PPO clip on the per-element-mean log-prob ratio", lo=0.0, lo_open=True)
     kl_beta: float = opt(0.0, "KL to the reference (LoRA disabled) policy", lo=0.0)
+    kl_std: str = opt("transition", "std dividing the KL's mean difference: the transition's full std (ours), or "
+                      "Flow-GRPO's std without the sqrt(|dt|) factor (so its published beta values carry over)",
+                      choices=["transition", "flow_grpo"])
     max_grad_norm: float = opt(1.0, lo=0.0, lo_open=True)
     num_minibatches: int = opt(1, "optimizer steps per inner epoch (trained edges split evenly)", lo=1)
     inner_epochs: int = opt(1, lo=1)
@@ -260,8 +159,8 @@ class RewardSpec:
 class DataConfig:
     prompts: list[str] = opt([], "training prompts (or use prompt_file)")
     prompt_file: Optional[str] = opt(None, ".txt (one per line) or .jsonl with a 'prompt' field")
-    prompt_set: str = opt("none", "a built-in prompt set instead of prompts/prompt_file",
-                          choices=["none", "shapes-train", "shapes-heldout"])
+    prompt_set: str = opt("none", "a registered prompt set instead of prompts/prompt_file (shapes-train, "
+                          "shapes-heldout) or module:function")
     sample_prompts: list[str] = opt([], "prompts of the sample grids (default: the first training prompts)")
     sample_seeds: list[int] = opt([0, 1, 2, 3])
 
@@ -275,7 +174,8 @@ class LogConfig:
     keep_checkpoints: int = opt(2, lo=1)
     trackers: list[str] = opt([], "accelerate trackers: tensorboard, wandb")
     progress: bool = opt(True, "progress bars")
-    eval: str = opt("none", "held-out evaluation before and after training", choices=["none", "shapes"])
+    eval: str = opt("none", "held-out evaluation before and after training: none, a registered evaluator (shapes) "
+                    "or module:Class")
     eval_seeds: list[int] = opt([0, 1, 2, 3, 4, 5, 6, 7], "seeds per held-out prompt")
     eval_every: int = opt(0, "iterations between held-out curve points in eval_curve.jsonl (0 = none)", lo=0)
     eval_curve_seeds: int = opt(4, "the curve uses the first N of eval_seeds (cheaper than the full evaluation)", lo=1)
@@ -285,7 +185,7 @@ class LogConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    algorithm: AlgorithmOptions = field(default_factory=AlgorithmOptions)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
@@ -397,6 +297,33 @@ def _unknown(key: str, cls, prefix: str) -> ConfigError:
     return ConfigError(f"unknown config key {key!r}{hint}")
 
 
+# keys that moved in the per-algorithm redesign: the old spelling -> what to write now
+MOVED = {"algorithm.max_batch": "sampler.max_batch", "algorithm.loss_weight": "algorithm.loss_weight (tempflow_grpo, "
+         "superflow only)", "algorithm.tracker.rho": "algorithm.rho (superflow) or advantage.tracker_rho"}
+_FLATTENED = ("tree", "side", "chunk", "tracker", "curriculum")  # old sub-sections now directly under algorithm
+
+
+def _build_algorithm(value, key: str):
+    """The ``algorithm`` section: its ``name`` picks the registered algorithm, whose ``Options`` dataclass then
+    takes the remaining keys (only that algorithm's)."""
+    from .registry import algorithm_class
+
+    if isinstance(value, AlgorithmOptions):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a mapping such as {{name: flow_grpo, group_size: 8}}, got {value!r}")
+    name = value.get("name", AlgorithmOptions.name)
+    if not isinstance(name, str):
+        raise ConfigError(f"{key}.name: expected a string, got {name!r}")
+    options = algorithm_class(name).Options
+    data = dict(value)
+    for sub in _FLATTENED:  # configs written before the redesign: tree/side/... keys now sit under algorithm
+        if isinstance(data.get(sub), dict):
+            raise ConfigError(f"{key}.{sub}: the {sub} options now sit directly under algorithm (e.g. "
+                              f"algorithm.{next(iter(data[sub]), 'name')}); see configs/ for the current form")
+    return _build(options, {**data, "name": name}, key)
+
+
 def _build(cls, data: dict, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     names = {f.name: f for f in dataclasses.fields(cls)}
@@ -404,8 +331,15 @@ def _build(cls, data: dict, prefix: str = ""):
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else str(k)
         if k not in names:
+            if key in MOVED:
+                raise ConfigError(f"config key {key!r} has moved: use {MOVED[key]}")
+            if issubclass(cls, AlgorithmOptions):
+                valid = ", ".join(f.name for f in dataclasses.fields(cls) if f.name != "name")
+                close = difflib.get_close_matches(str(k), [f.name for f in dataclasses.fields(cls)], n=1)
+                hint = f"did you mean {prefix}.{close[0]!r}? " if close else ""
+                raise ConfigError(f"{key}: not an option of {data.get('name', cls.name)}; {hint}its options: {valid}")
             raise _unknown(key, cls, f"{prefix}." if prefix else "")
-        value = _coerce(v, hints[k], key)
+        value = _build_algorithm(v, key) if hints[k] is AlgorithmOptions else _coerce(v, hints[k], key)
         _check_range(value, names[k].metadata, key)
         kwargs[k] = value
     return cls(**kwargs)
@@ -480,9 +414,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Load YAML (or defaults), apply overrides, validate; raises ConfigError with one clear line."""
     data: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
+        from .resources import find_config
+
+        found = find_config(path)
+        if found is None:
+            raise ConfigError(f"config file not found: {path} (nor a shipped preset of that name; "
+                              "see `flowrl presets`)")
+        path = found
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
@@ -493,40 +431,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: the top level must be a mapping of config sections")
     for text in overrides or []:
         data = apply_override(data, text)
+    data.setdefault("algorithm", {})  # the default algorithm's own options class, not the bare base
     cfg = _build(Config, data)
     validate(cfg)
     return cfg
 
 
-# flat presets that run all steps SDE unless algorithm.window.size > 0 restricts SDE and training to a window
-WINDOWABLE = ("flow_grpo", "dance_grpo", "chunk_grpo", "superflow")
-
-
 def validate(cfg: Config) -> None:
-    """Cross-field checks that a single field's range cannot express."""
-    t = cfg.sampler.num_steps
-    w = cfg.algorithm.window
-    if cfg.algorithm.name in ("mix_grpo", "flow_grpo_fast") or (cfg.algorithm.name in WINDOWABLE and w.size > 0):
-        if w.size < 1:
-            raise ConfigError(f"algorithm.window.size: {cfg.algorithm.name} needs a window of at least 1 step")
-        end = t - 1 if w.range_end < 0 else w.range_end
-        if w.size > end - (w.range_start if w.placement != "fixed" else w.start):
-            raise ConfigError(f"algorithm.window.size: a window of {w.size} does not fit before step {end} of "
-                              f"{t}; lower the size or raise sampler.num_steps")
+    """Cross-field checks that a single field's range cannot express, the algorithm's own among them: all of
+    them run here, at load, before a model is loaded or a file written."""
+    from .registry import algorithm_class
+
     if not cfg.rewards:
         raise ConfigError("rewards: list at least one reward, e.g. rewards=[{name: jpeg_compressibility}]")
-    if cfg.advantage.combine == "per_reward" and (cfg.algorithm.name in ("superflow", "ada_grpo")
-                                                  or cfg.advantage.zero_variance in ("tracker", "drop_refill")):
-        raise ConfigError("advantage.combine=per_reward: the prompt trackers of superflow / ada_grpo / "
-                          "zero_variance tracker|drop_refill follow the summed reward; use advantage.combine=sum")
+    if cfg.advantage.combine == "per_reward" and cfg.advantage.zero_variance in ("tracker", "drop_refill"):
+        raise ConfigError("advantage.combine=per_reward: the prompt tracker of zero_variance tracker|drop_refill "
+                          "follows the summed reward; use advantage.combine=sum")
+    lo, hi = cfg.advantage.tracker_reward_range if len(cfg.advantage.tracker_reward_range) == 2 else (0, 0)
+    if not lo < hi:
+        raise ConfigError(f"advantage.tracker_reward_range {cfg.advantage.tracker_reward_range} must be [low, high] "
+                          "with low < high")
     if len(cfg.train.betas) != 2:
         raise ConfigError("train.betas: expected two numbers, e.g. [0.9, 0.999]")
     if cfg.train.kl_beta > 0 and not cfg.train.lora.enabled:
         raise ConfigError("train.kl_beta: the reference policy is the model with LoRA disabled; "
                           "enable train.lora.enabled or set train.kl_beta=0")
+    if cfg.train.kl_beta > 0 and cfg.train.kl_std == "flow_grpo" and cfg.sampler.kernel == "cps":
+        raise ConfigError("train.kl_std=flow_grpo: the cps kernel's std has no sqrt(|dt|) factor to remove; "
+                          "use train.kl_std=transition")
+    algorithm_class(cfg.algorithm.name).check(cfg)
 
 
 def to_dict(cfg) -> dict:
+    """The resolved config as plain data; the algorithm section holds only its own algorithm's options."""
     return dataclasses.asdict(cfg)
 
 

@@ -176,6 +176,13 @@ class Tree:
         return [(s / c.clamp_min(1)).float() for s, c in zip(sums, counts)]
 
 
+def kernel_options(cfg) -> dict:
+    """Extra keyword arguments of the configured step kernel (the CPS log-prob convention)."""
+    if cfg.sampler.kernel == "cps" and cfg.sampler.cps_log_prob == "published":
+        return {"published_log_prob": True}
+    return {}
+
+
 def velocity_batched(adapter, x: torch.Tensor, sigma: torch.Tensor, cond, rows: torch.Tensor, max_batch: int,
                      guidance_scale: float, negative) -> tuple[torch.Tensor, int]:
     """Velocities for all nodes, chunked to at most ``max_batch`` per call. Returns ((N, C, H, W), calls)."""
@@ -207,7 +214,8 @@ def sibling_noise(shape: tuple[int, ...], branch: int, mode: str, strength: floa
 def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape: tuple[int, ...], *,
             kernel: str, noise_level: float, generator: torch.Generator, max_batch: int = 64,
             guidance_scale: float = 1.0, negative=None, log_prob_reduce: str = "mean",
-            initial_noise: torch.Tensor | None = None, progress=None, roots: list[int] | None = None) -> Tree:
+            initial_noise: torch.Tensor | None = None, progress=None, roots: list[int] | None = None,
+            kernel_options: dict | None = None) -> Tree:
     """Run ``plan`` for every prompt row of ``cond`` (P prompts) and return the tree.
 
     Noise is drawn on the CPU from ``generator`` at full round size, independent of ``max_batch``, so the
@@ -232,7 +240,7 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
 
     def sde_step(x, v, s, s_next, level, noise):
         out = kernel_step(kernel, x, v, s, s_next, noise_level=level, sigma_at_one=sigma_at_one, noise=noise,
-                          reduce=log_prob_reduce)
+                          reduce=log_prob_reduce, **(kernel_options or {}))
         return out.sample, out.log_prob.float().cpu(), out.std.reshape(out.std.shape[0], -1)[:, 0].expand(x.shape[0]).float().cpu()
 
     r = 0

@@ -1,34 +1,13 @@
-"""Held-out evaluation on the shapes domain: strict per-attribute accuracy from pixels."""
+"""The papers' reward table: mean and std of each reward over ODE samples of a prompt set."""
 
 from __future__ import annotations
 
 import torch
 
-from .prompts import prompt_set
 
 
-@torch.no_grad()
-def shapes_accuracy(adapter, sigmas: torch.Tensor, seeds: list[int], guidance_scale: float, negative=None,
-                    split: str = "shapes-heldout", max_batch: int = 64, return_images: bool = False):
-    """Sample every prompt of ``split`` at every seed (ODE) and read background, colour and shape back.
-    With ``return_images`` also returns the samples, (P * S, 3, H, W) prompt-major."""
-    from .rewards.shapes import attribute_scores
-    from .trainer import sample_images
-
-    prompts = prompt_set(split)
-    shape = adapter.latent_shape(adapter.transformer.config.sample_size)
-    images = sample_images(adapter, prompts, seeds, sigmas, shape, guidance_scale, negative, max_batch)
-    s = attribute_scores(images, [p for p in prompts for _ in seeds])
-    both = s["bg_ok"] * s["color_ok"] * s["shape_ok"]
-    result = {"split": split, "images": len(both), "background": round(float(s["bg_ok"].mean()), 4),
-            "color": round(float(s["color_ok"].mean()), 4), "shape": round(float(s["shape_ok"].mean()), 4),
-            "all": round(float(both.mean()), 4),
-            "reward": round(float(((s["bg_score"] + s["color_score"] + s["shape_score"]) / 3).mean()), 4)}
-    return (result, images) if return_images else result
-
-
-def reward_table(adapter, prompts: list[str], metadata: list[dict], seeds: list[int], sigmas: torch.Tensor,
-                 reward_set, guidance_scale: float, negative=None, max_batch: int = 64, progress: bool = True):
+def reward_table(sampler, prompts: list[str], metadata: list[dict], seeds: list[int], reward_set, max_batch: int = 64,
+                 progress: bool = True):
     """Score ODE samples of every (prompt, seed) with every reward of ``reward_set``.
 
     Returns (summary, samples): summary rows {metric, mean, std, n, invalid} (std over images, ddof 1; NaN/inf
@@ -36,15 +15,12 @@ def reward_table(adapter, prompts: list[str], metadata: list[dict], seeds: list[
     same prompts give the same numbers."""
     from tqdm.auto import tqdm
 
-    from .trainer import sample_images
-
-    shape = adapter.latent_shape(adapter.transformer.config.sample_size)
     per_chunk = max(1, max_batch // max(1, len(seeds)))
     columns: dict[str, list[float]] = {}
     samples = []
     for start in tqdm(range(0, len(prompts), per_chunk), desc="eval", unit="batch", disable=not progress):
         chunk, meta = prompts[start:start + per_chunk], metadata[start:start + per_chunk]
-        images = sample_images(adapter, chunk, seeds, sigmas, shape, guidance_scale, negative, max_batch)
+        images = sampler(chunk, seeds)
         scores = reward_set(images, [p for p in chunk for _ in seeds], [m for m in meta for _ in seeds])
         named = dict(scores.components)
         if len(named) > 1:

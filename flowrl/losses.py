@@ -20,8 +20,17 @@ def ppo_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages
 def gaussian_kl_same_std(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """KL(N(mean, s^2) || N(mean_ref, s^2)) per element averaged over non-batch dims -> (E,).
 
-    ``std`` is the transition's full std (including sqrt(|dt|)); Flow-GRPO's SD3 script omits the dt factor
-    (spec/anchors.md, issue #78), which this does not reproduce.
+    ``std`` is the transition's full std (including sqrt(|dt|)) by default; :func:`kl_std` gives Flow-GRPO's
+    SD3 normalisation, which omits the dt factor (spec/anchors.md, issue #78), so its beta is |dt| times ours.
     """
     kl = (mean - mean_ref) ** 2 / (2 * std**2)
     return kl.mean(dim=tuple(range(1, kl.ndim)))
+
+
+def kl_std(mode: str, std: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+    """The std the KL divides by: ``transition`` = the full transition std; ``flow_grpo`` = the std without its
+    sqrt(|dt|) factor (Flow-GRPO's form, so published beta values carry over). sigma, sigma_next: (B,)."""
+    if mode == "transition":
+        return std
+    dt = (sigma - sigma_next).abs().float().reshape(-1, *([1] * (std.ndim - 1)))
+    return std / dt.sqrt()

@@ -22,11 +22,10 @@ DEFAULT_TINY_PROMPTS = [
 
 
 def prompt_set(name: str) -> list[str]:
-    """Built-in prompt sets: the shapes domain's training and held-out prompts."""
-    from .shapes import split_specs
+    """A registered prompt set (shapes-train, shapes-heldout) or ``module:function`` returning prompts."""
+    from .registry import PROMPT_SETS, resolve
 
-    train, held = split_specs()
-    return [s.prompt for s in (train if name == "shapes-train" else held)]
+    return list(resolve(PROMPT_SETS, name, "data.prompt_set")())
 
 
 def read_prompt_file(path: str | Path) -> tuple[list[str], list[dict]]:

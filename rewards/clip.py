@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 
 from flowrl.errors import RewardError
+from flowrl.resources import assets_dir
 
 from .backbones import PREPROCESS_MODES, HFClip, clip_pixels, normalize
 from .loading import check_images, load_strict
 from .registry import register_reward
 
-TINY_CLIP_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny_clip"
+TINY_CLIP_DIR = assets_dir() / "tiny_clip"
 
 
 def tiny_clip_config() -> dict:

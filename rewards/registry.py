@@ -13,6 +13,8 @@ import torch
 from flowrl.errors import RewardError
 
 REWARDS: dict[str, Callable[..., Callable]] = {}
+# rewards that live outside this package (the shapes demo): imported on first use, which registers them
+LAZY_REWARDS = {"shapes": "flowrl.shapes.reward", "shapes_accuracy": "flowrl.shapes.reward"}
 
 
 def register_reward(name: str):
@@ -41,12 +43,14 @@ def build_reward(name: str, **args) -> Callable:
     if ":" in name:
         obj = _load_user_function(name)
         return obj(**args) if inspect.isclass(obj) else obj
+    if name not in REWARDS and name in LAZY_REWARDS:
+        importlib.import_module(LAZY_REWARDS[name])
     if name not in REWARDS:
         import difflib
 
-        close = difflib.get_close_matches(name, list(REWARDS), n=1)
+        close = difflib.get_close_matches(name, list(REWARDS) + list(LAZY_REWARDS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise RewardError(f"unknown reward {name!r}{hint} (registered: {', '.join(sorted(REWARDS))}; "
+        raise RewardError(f"unknown reward {name!r}{hint} (registered: {', '.join(sorted(set(REWARDS) | set(LAZY_REWARDS)))}; "
                           "or give module:function)")
     try:
         return REWARDS[name](**args)

@@ -168,7 +168,7 @@ KERNELS = {"ode": ode_step, "flow_grpo": flow_grpo_sde_step, "dance": dance_sde_
 
 
 def step(kind: str, x, v, sigma, sigma_next, *, noise_level: float, sigma_at_one=None, noise=None,
-         prev_sample=None, reduce: str = "mean") -> StepOutput:
+         prev_sample=None, reduce: str = "mean", published_log_prob: bool = False) -> StepOutput:
     """Dispatch one transition by kernel name; ``noise_level`` is a for flow_grpo/cps and eta for dance."""
     if kind == "ode":
         return ode_step(x, v, sigma, sigma_next)
@@ -177,5 +177,5 @@ def step(kind: str, x, v, sigma, sigma_next, *, noise_level: float, sigma_at_one
     if kind == "dance":
         return dance_sde_step(x, v, sigma, sigma_next, noise_level, noise, prev_sample, reduce)
     if kind == "cps":
-        return cps_step(x, v, sigma, sigma_next, noise_level, noise, prev_sample, reduce)
+        return cps_step(x, v, sigma, sigma_next, noise_level, noise, prev_sample, reduce, published_log_prob)
     raise ValueError(f"unknown step kernel {kind!r}; choose one of {sorted(KERNELS)}")

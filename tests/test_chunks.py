@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from flowrl import chunks as ch
 from flowrl.config import load_config
@@ -62,29 +63,32 @@ def test_relative_l1_by_hand():
 
 def test_chunk_update_with_unit_chunks_equals_step_level_update(tmp_path):
     """Same tree, same advantages: chunk_grpo with 1-step chunks (all trained) makes exactly the step-level update."""
-    from flowrl.algorithms import build_plan, edge_advantages, select_edges
+    from flowrl.algorithms import make_algorithm
     from flowrl.engine import rollout
     from flowrl.trainer import Trainer
 
     common = [f"log.output_dir={tmp_path}", "log.progress=false", "sampler.num_steps=5", "train.num_minibatches=1",
               "train.prompts_per_iter=1", "algorithm.group_size=4", "algorithm.timestep_fraction=1.0"]
-    chunk_cfg = load_config(ROOT / "configs/tiny_chunk_grpo.yaml", [*common, "algorithm.chunk.mode=uniform",
-                                                                     "algorithm.chunk.size=1", "log.run_name=c"])
-    step_cfg = load_config(ROOT / "configs/tiny_chunk_grpo.yaml", [*common, "algorithm.name=dance_grpo",
-                                                                    "algorithm.timestep_selection=first", "log.run_name=s"])
+    chunk_cfg = load_config(ROOT / "configs/tiny_chunk_grpo.yaml", [*common, "algorithm.mode=uniform",
+                                                                     "algorithm.size=1", "log.run_name=c"])
+    # the same file with its algorithm section swapped: each algorithm accepts only its own options
+    data = yaml.safe_load((ROOT / "configs/tiny_chunk_grpo.yaml").read_text())
+    data["algorithm"] = {"name": "dance_grpo", "shared_noise": True, "timestep_selection": "first"}
+    (tmp_path / "step.yaml").write_text(yaml.safe_dump(data))
+    step_cfg = load_config(tmp_path / "step.yaml", [*common, "log.run_name=s"])
     grads = []
     for cfg in (chunk_cfg, step_cfg):
         trainer = Trainer(cfg)
         # compare gradients, not parameters: Adam's first step is ~lr * sign(g), which turns float noise in
         # near-zero gradient entries into lr-sized differences
-        trainer.optimizer.step = lambda t=trainer: grads.append(torch.cat([p.grad.flatten() for p in t.params]))
-        plan = build_plan(cfg, 0, sigmas=trainer.sigmas)
+        trainer.policy.optimizer.step = lambda t=trainer: grads.append(torch.cat([p.grad.flatten() for p in t.policy.params]))
+        plan = make_algorithm(cfg).plan(0, sigmas=trainer.sigmas)
         cond = trainer.adapter.encode_prompts(["a cat"])
         tree = rollout(trainer.adapter, cond, plan, trainer.sigmas, trainer.latent_shape, kernel="flow_grpo",
                        noise_level=0.7, generator=torch.Generator().manual_seed(0))
         rewards = tree.leaves.mean(dim=(1, 2, 3))
-        adv, keep, _ = edge_advantages(cfg, tree, rewards, 0)
-        stats = trainer.update(tree, cond, adv, select_edges(cfg, tree, torch.Generator()), torch.Generator().manual_seed(1))
+        adv, keep, _ = make_algorithm(cfg).advantages(tree, rewards, 0)
+        stats = trainer.update(tree, cond, adv, make_algorithm(cfg).select_edges(tree, torch.Generator()), torch.Generator().manual_seed(1))
         assert stats["trained_edges"] == 4 * 4 and stats["optimizer_steps"] == 1
     assert grads[0].abs().max() > 0
     assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-6 * float(grads[1].abs().max()))

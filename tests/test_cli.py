@@ -65,7 +65,7 @@ def test_compare_with_seed_band(run_dirs, tmp_path, capsys):
 
 def test_bench_prints_json(capsys, tmp_path):
     code = main(["bench", str(ROOT / "configs/tiny_flow_grpo.yaml"), "sampler.num_steps=4", "train.prompts_per_iter=2",
-                 "algorithm.max_batch=16"])
+                 "sampler.max_batch=16"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert out["nfe_rollout_per_leaf"] == 4.0

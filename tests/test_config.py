@@ -16,7 +16,7 @@ from flowrl.errors import ConfigError, RewardError
     ("sampler.kernel=flowgrpo", "did you mean 'flow_grpo'?"),
     ("train.lora.enabled=maybe", "train.lora.enabled: expected true or false"),
     ("rewards=[]", "rewards: list at least one reward"),
-    ("algorithm.name=mix_grpo", "algorithm.window.size: mix_grpo needs a window"),
+    ("algorithm.name=flow_grpo_fast", "algorithm.window.size: flow_grpo_fast needs a window"),
     ("algorithm.name=dance_grpo algorithm.window.size=12", "algorithm.window.size: a window of 12 does not fit"),
 ])
 def test_bad_overrides(override, message):

@@ -24,15 +24,14 @@ def test_assets_fit_the_budget():
 
 
 def test_shipped_model_loads_and_draws_the_background():
-    from flowrl.evaluate import shapes_accuracy
     from flowrl.models import SD3Adapter
-    from flowrl.trainer import sigmas_for
+    from flowrl.sampling import Sampler
+    from flowrl.shapes.evaluate import shapes_accuracy
 
     cfg = load_config(ROOT / "configs" / "tiny_shapes_flow_grpo.yaml")
     adapter = SD3Adapter.from_config(cfg.model)
     assert adapter.pixel_space and adapter.latent_shape(32) == (3, 32, 32)
-    neg = adapter.encode_prompts([""])
-    result = shapes_accuracy(adapter, sigmas_for(cfg, adapter, 10), [0], cfg.sampler.guidance_scale, neg)
+    result = shapes_accuracy(Sampler(cfg, adapter, num_steps=10), [0])
     assert result["images"] == 24
     assert result["background"] >= 0.9 and result["color"] >= 0.7  # one seed per held-out prompt
 
@@ -52,7 +51,7 @@ def test_heldout_curve_counts_the_work_spent(tmp_path):
 
     cfg = make_cfg(tmp_path, "model.pretrained=tiny-shapes", "model.resolution=32", "rewards=[{name: shapes}]",
                    "data.prompt_set=shapes-train", "sampler.num_steps=4", "algorithm.name=ada_grpo",
-                   "algorithm.group_size=2", "algorithm.side.steps=[0]", "algorithm.curriculum.candidates=3",
+                   "algorithm.group_size=2", "algorithm.steps=[0]", "algorithm.candidates=3",
                    "train.prompts_per_iter=2", "train.iterations=2", "log.eval=shapes", "log.eval_seeds=[0, 1]",
                    "log.eval_curve_seeds=1", "log.eval_every=1")
     run = Trainer(cfg).train()
@@ -64,11 +63,12 @@ def test_heldout_curve_counts_the_work_spent(tmp_path):
         assert c["nfe_rollout_cum"] == sum(r["nfe_rollout"] + 12 for r in done)
         assert c["rollouts_cum"] == sum(r["leaves"] + 3 for r in done) == c["iteration"] * (2 * 2 + 3)
     # the first point is the untouched model on seed 0 alone: a full evaluation with eval_seeds=[0] agrees
-    from flowrl.evaluate import shapes_accuracy
+    from flowrl.sampling import Sampler
+    from flowrl.shapes.evaluate import shapes_accuracy
 
     t = Trainer(make_cfg(tmp_path, "model.pretrained=tiny-shapes", "model.resolution=32", "sampler.num_steps=4",
                          "rewards=[{name: shapes}]", "data.prompt_set=shapes-train", "log.run_name=u"))
-    again = shapes_accuracy(t.adapter, t.sigmas_eval(), [0], t.cfg.sampler.guidance_scale, t.negative)
+    again = shapes_accuracy(Sampler(t.cfg, t.adapter), [0])
     assert curve[0]["all"] == again["all"] and curve[0]["reward"] == again["reward"]
     assert (run / "reward_curve.png").stat().st_size > 0
     from flowrl.report import compare_runs
@@ -82,7 +82,7 @@ def test_tiny_clip_scores_matching_captions_higher():
     import numpy as np
 
     from flowrl.rewards import build_reward
-    from flowrl.shapes import ShapeSpec, render
+    from flowrl.shapes.domain import ShapeSpec, render
 
     clip = build_reward("clip")
     img = torch.from_numpy(np.stack([render(ShapeSpec("square", "red", "blue"), 32, 5)] * 2)).permute(0, 3, 1, 2) / 255

@@ -5,7 +5,7 @@ import random
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from flowrl.algorithms import build_plan, select_edges
+from flowrl.algorithms import make_algorithm
 from flowrl.engine import rollout
 from flowrl.samplers import RolloutPlan, StepSpec, make_sigmas
 
@@ -38,7 +38,7 @@ def test_ode_rollout_equals_diffusers_scheduler(tiny_adapter):
 
 def test_batched_rollout_equals_one_node_per_call(tiny_adapter, tmp_path):
     cfg = make_cfg(tmp_path, "algorithm.group_size=3", "sampler.num_steps=4", "sampler.schedule=static_shift")
-    plan = build_plan(cfg, 0)
+    plan = make_algorithm(cfg).plan(0)
     sig = make_sigmas("static_shift", 4, 3.0)
     cond = tiny_adapter.encode_prompts(PROMPTS)
     shape = tiny_adapter.latent_shape(16)
@@ -55,7 +55,7 @@ def test_dance_shared_noise_is_one_root_branching_g(tiny_adapter, tmp_path):
     cfg = make_cfg(tmp_path, "algorithm.name=dance_grpo", "algorithm.shared_noise=true", "algorithm.group_size=4",
                    "sampler.num_steps=5", "sampler.kernel=dance", "sampler.noise_level=0.3",
                    "algorithm.timestep_selection=random", "algorithm.timestep_fraction=0.5")
-    plan = build_plan(cfg, 0)
+    plan = make_algorithm(cfg).plan(0)
     assert plan.roots_per_prompt == 1 and plan.steps[0].branch == 4
     assert plan.nfe_per_prompt() == 1 + 4 * 4  # the shared root is evaluated once
     assert plan.leaves_per_prompt == 4
@@ -67,7 +67,7 @@ def test_dance_shared_noise_is_one_root_branching_g(tiny_adapter, tmp_path):
     assert torch.equal(tree.parent[1], torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))
     assert not torch.allclose(tree.latents[1][0], tree.latents[1][1])
     # random per-path selection: each leaf path trains int(4 * 0.5) = 2 of the 4 candidate steps (last excluded)
-    masks = select_edges(cfg, tree, torch.Generator().manual_seed(0))
+    masks = make_algorithm(cfg).select_edges(tree, torch.Generator().manual_seed(0))
     per_leaf = sum(m.long() for m in masks[1:])
     assert per_leaf.tolist() == [2] * 8
     assert not masks[5].any()
@@ -77,33 +77,35 @@ def test_mix_window_plans(tmp_path):
     cfg = make_cfg(tmp_path, "algorithm.name=mix_grpo", "sampler.num_steps=10", "algorithm.window.size=3",
                    "algorithm.window.placement=progressive", "algorithm.window.iters_per_shift=2",
                    "algorithm.window.stride=2", "algorithm.shared_noise=true", "algorithm.group_size=4")
-    starts = [build_plan(cfg, it).notes["window_start"] for it in range(12)]
+    starts = [make_algorithm(cfg).plan(it).notes["window_start"] for it in range(12)]
     # last start = 9 - 3 = 6; positions 0, 2, 4, 6 then roll back
     assert starts == [0, 0, 2, 2, 4, 4, 6, 6, 0, 0, 2, 2]
-    plan = build_plan(cfg, 2)
+    plan = make_algorithm(cfg).plan(2)
     assert [s.sde for s in plan.steps] == [False, False, True, True, True, False, False, False, False, False]
     assert [s.trained for s in plan.steps] == [s.sde for s in plan.steps]
     assert plan.steps[2].branch == 4 and plan.roots_per_prompt == 1  # shared ODE prefix, branch at the window
     assert plan.nfe_per_prompt() == 3 + 4 * 7  # depths 0-2: one node; depths 3-9: four
     cfg_r = make_cfg(tmp_path, "algorithm.name=flow_grpo_fast", "algorithm.window.size=2",
                      "algorithm.window.placement=random", "algorithm.window.range_start=0", "algorithm.window.range_end=5")
-    seen = {build_plan(cfg_r, it, random.Random(it)).notes["window_start"] for it in range(50)}
+    seen = {make_algorithm(cfg_r).plan(it, random.Random(it)).notes["window_start"] for it in range(50)}
     assert seen == {0, 1, 2, 3}
 
 
 def test_flat_presets_take_a_window(tmp_path):
     """window.size > 0 on flow_grpo / dance_grpo / chunk_grpo / superflow: only the window is SDE and trained."""
-    for name in ("flow_grpo", "dance_grpo", "chunk_grpo", "superflow"):
+    own = {"flow_grpo": ["algorithm.group_size=4"], "dance_grpo": ["algorithm.group_size=4"],
+           "chunk_grpo": ["algorithm.group_size=4", "algorithm.sizes=[1, 1]"], "superflow": []}
+    for name, extra in own.items():  # each algorithm accepts only its own options
         cfg = make_cfg(tmp_path, f"algorithm.name={name}", "sampler.num_steps=6", "algorithm.window.size=2",
-                       "algorithm.window.start=1", "algorithm.group_size=4", "algorithm.chunk.sizes=[1, 1]")
-        plan = build_plan(cfg, 0)
+                       "algorithm.window.start=1", *extra)
+        plan = make_algorithm(cfg).plan(0)
         assert [s.sde for s in plan.steps] == [False, True, True, False, False, False], name
         assert [s.trained for s in plan.steps] == [s.sde for s in plan.steps], name
     # without a window they stay all-SDE (flow_grpo trains the first int(T * 0.99) = 5 of 6 steps)
-    plan = build_plan(make_cfg(tmp_path, "sampler.num_steps=6"), 0)
+    plan = make_algorithm(make_cfg(tmp_path, "sampler.num_steps=6")).plan(0)
     assert all(s.sde for s in plan.steps) and [s.trained for s in plan.steps] == [True] * 5 + [False]
     # dance_grpo's random subset is drawn inside the window: int(2 * 0.5) = 1 of the 2 window steps per path
     cfg = make_cfg(tmp_path, "algorithm.name=dance_grpo", "sampler.num_steps=6", "algorithm.window.size=2",
                    "algorithm.window.start=1", "algorithm.group_size=4", "algorithm.timestep_selection=random",
                    "algorithm.timestep_fraction=0.5")
-    assert build_plan(cfg, 0).steps[1].sde and not build_plan(cfg, 0).steps[0].sde
+    assert make_algorithm(cfg).plan(0).steps[1].sde and not make_algorithm(cfg).plan(0).steps[0].sde

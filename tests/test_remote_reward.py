@@ -12,7 +12,7 @@ from flowrl.rewards import build_reward
 from flowrl.rewards.remote import make_server
 
 from flowrl.errors import RewardError
-from flowrl.shapes import render, split_specs
+from flowrl.shapes.domain import render, split_specs
 
 
 @pytest.fixture()

@@ -11,7 +11,7 @@ from tests.conftest import make_cfg
 
 
 def test_concat_of_batched_rollouts_equals_one_rollout(tiny_adapter, tiny_cfg):
-    from flowrl.trainer import sigmas_for
+    from flowrl.sampling import sigmas_for
 
     ad = tiny_adapter
     sig = sigmas_for(tiny_cfg, ad, 4)

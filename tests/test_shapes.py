@@ -6,8 +6,8 @@ import torch
 
 from flowrl.errors import RewardError
 from flowrl.rewards import build_reward
-from flowrl.rewards.shapes import attribute_scores, classify
-from flowrl.shapes import COLORS, SHAPES, ShapeSpec, all_specs, parse_prompt, render, split_specs
+from flowrl.shapes.reward import attribute_scores, classify
+from flowrl.shapes.domain import COLORS, SHAPES, ShapeSpec, all_specs, parse_prompt, render, split_specs
 
 
 def as_batch(imgs):
@@ -67,7 +67,7 @@ def test_partial_credit_and_strict_accuracy():
 
 def test_margin_reward_by_hand():
     """shape=margin: the shape part is (1 + IoU(asked) - best other IoU) / 2, > 1/2 exactly when read right."""
-    from flowrl.rewards.shapes import _shape_ious, analyse
+    from flowrl.shapes.reward import _shape_ious, analyse
 
     img = render(ShapeSpec("square", "red", "blue"), 32, seed=1)
     x = as_batch([img, img])

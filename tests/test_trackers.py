@@ -89,21 +89,21 @@ def test_superflow_iteration(tmp_path):
     trainer, row = _iteration(tmp_path, "tiny_superflow.yaml", "train.prompts_per_iter=2")
     # unseen prompts have v = 0.5, the highest priority: the largest group
     assert row["group_size_mean"] == 8 and row["leaves"] == 16
-    assert len(trainer.tracker.state) == 2
+    assert len(trainer.algorithm.tracker.state) == 2
     assert row["ratio_max_abs_dev_first_update"] < 1e-5
 
 
 def test_ada_grpo_iteration(tmp_path):
     trainer, row = _iteration(tmp_path, "tiny_ada_grpo.yaml")
-    assert trainer.capability.count == 1 and row["curriculum/capability"] == pytest.approx(row["curriculum/anchor_score_mean"])
+    assert trainer.algorithm.capability.count == 1 and row["curriculum/capability"] == pytest.approx(row["curriculum/anchor_score_mean"])
     assert row["trained_edges"] == 2 * 4 * 6 and row["nfe_train"] == 2 * 4
     assert row["ratio_max_abs_dev_first_update"] < 1e-5
 
 
-@pytest.mark.parametrize("config, extra", [("tiny_superflow.yaml", ["algorithm.tracker.min_group=2",
-                                                                     "algorithm.tracker.max_group=3"]),
-                                           ("tiny_ada_grpo.yaml", ["algorithm.curriculum.candidates=3",
-                                                                   "algorithm.side.steps=[0,1]"])])
+@pytest.mark.parametrize("config, extra", [("tiny_superflow.yaml", ["algorithm.min_group=2",
+                                                                     "algorithm.max_group=3"]),
+                                           ("tiny_ada_grpo.yaml", ["algorithm.candidates=3",
+                                                                   "algorithm.steps=[0,1]"])])
 def test_resume_restores_tracker_state_exactly(tmp_path, config, extra):
     """The tracker / capability EMA is part of the checkpoint: a resumed run repeats the uninterrupted one."""
     from flowrl.report import read_metrics

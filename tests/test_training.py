@@ -71,7 +71,7 @@ def test_lora_checkpoint_loads_in_diffusers_pipeline(tmp_path):
     with torch.no_grad():
         tuned = tr.adapter.velocity(x, torch.tensor([0.5]), cond)
     # a fresh tiny pipeline (same init seed) + diffusers' own LoRA loader gives the fine-tuned model
-    from flowrl.models.sd3 import build_tiny_sd3_pipeline
+    from flowrl.models.tiny import build_tiny_sd3_pipeline
 
     pipe = build_tiny_sd3_pipeline(cfg.model.tiny, seed=cfg.model.tiny.init_seed)
     pipe.load_lora_weights(str(ckpt))

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.algorithms import build_plan, edge_advantages, entropy_merge_lengths, step_entropy_score
+from flowrl.algorithms import make_algorithm
+from flowrl.algorithms.e_grpo import entropy_merge_lengths, step_entropy_score
 from flowrl.config import load_config
 from flowrl.engine import Tree, rollout, sibling_noise
 from flowrl.samplers import static_shift_sigmas
@@ -31,11 +32,11 @@ def branch_cfg(*overrides):
 
 # ------------------------------------------------------------------------------------------- accounting
 def test_branch_tree_counts_match_the_paper_arithmetic():
-    plan = build_plan(branch_cfg(), 0)
+    plan = make_algorithm(branch_cfg()).plan(0)
     c = plan.counts()
     assert (c["leaves"], c["edges"], c["nfe"], c["trained_edges"]) == (16, 218, 203, 218)
     assert plan.accounting()["edges_per_leaf"] == 13.625  # the paper reports 13.68
-    mix = build_plan(load_config(ROOT / "configs/tiny_branch_grpo_mix.yaml"), 0)
+    mix = make_algorithm(load_config(ROOT / "configs/tiny_branch_grpo_mix.yaml")).plan(0)
     assert [i for i, s in enumerate(mix.steps) if s.sde] == [0, 1, 2, 3, 6, 9]
     assert mix.counts()["trained_edges"] == 2 + 2 + 2 + 4 + 8 + 16  # edges created by the SDE steps
     assert mix.counts()["nfe"] == 203  # Mix saves gradient work, not rollout work
@@ -43,7 +44,7 @@ def test_branch_tree_counts_match_the_paper_arithmetic():
 
 def test_width_pruning_trains_138_of_218_edges():
     cfg = branch_cfg()
-    tree = skeleton_from_plan(build_plan(cfg, 0))
+    tree = skeleton_from_plan(make_algorithm(cfg).plan(0))
     rewards = torch.randn(16, generator=torch.Generator().manual_seed(0))
     values = trees.fuse_rewards(tree, rewards)
     adv, _ = trees.depth_advantages(tree, values)
@@ -141,35 +142,35 @@ def test_entropy_merge_rule_matches_the_spec_numbers():
 
 def test_side_branch_accounting():
     cfg = load_config(ROOT / "configs/tiny_tempflow_grpo.yaml")
-    plan = build_plan(cfg, 0)
-    k, seeds = cfg.algorithm.group_size, cfg.algorithm.side.seeds
+    plan = make_algorithm(cfg).plan(0)
+    k, seeds = cfg.algorithm.group_size, cfg.algorithm.seeds
     # per seed: 9 main evaluations, and a branch from step k costs T - k - 1 completion evaluations
     assert plan.counts() == {**plan.counts(), "leaves": seeds * 9 * k, "trained_edges": seeds * 9 * k,
                              "nfe": seeds * (9 + k * sum(9 - i for i in range(9)))}
     eg = load_config(ROOT / "configs/tiny_e_grpo.yaml")
-    plan = build_plan(eg, 0, sigmas=static_shift_sigmas(16, 3.0))
+    plan = make_algorithm(eg).plan(0, sigmas=static_shift_sigmas(16, 3.0))
     assert plan.notes["merge_lengths"] == [1, 1, 2, 2, 2, 3, 3, 3]
     assert plan.counts()["nfe"] == 8 + 6 * sum(16 - i - l for i, l in enumerate([1, 1, 2, 2, 2, 3, 3, 3]))
 
 
 # ------------------------------------------------------------------------------------------- reductions
 def _tree_and_adv(cfg, adapter, seed=0):
-    from flowrl.trainer import sigmas_for
+    from flowrl.sampling import sigmas_for
 
     sig = sigmas_for(cfg, adapter, cfg.sampler.num_steps)
-    plan = build_plan(cfg, 0, sigmas=sig)
+    plan = make_algorithm(cfg).plan(0, sigmas=sig)
     cond = adapter.encode_prompts(["a red circle", "a blue square"])
     tree = rollout(adapter, cond, plan, sig, (3, 16, 16), kernel=cfg.sampler.kernel, noise_level=cfg.sampler.noise_level,
                    generator=torch.Generator().manual_seed(seed))
     rewards = tree.leaves.mean(dim=(1, 2, 3))
-    adv, keep, _ = edge_advantages(cfg, tree, rewards, 0)
+    adv, keep, _ = make_algorithm(cfg).advantages(tree, rewards, 0)
     return plan, tree, adv
 
 
 def test_branch_without_splits_is_dance_grpo(tiny_adapter):
     common = ["sampler.num_steps=6", "algorithm.group_size=4", "advantage.eps=0.0", "advantage.ddof=1"]
-    branch = branch_cfg(*common, "algorithm.tree.split_steps=[0]", "algorithm.tree.branch_factor=4",
-                        "algorithm.tree.sibling_noise=independent")
+    branch = branch_cfg(*common, "algorithm.split_steps=[0]", "algorithm.branch_factor=4",
+                        "algorithm.sibling_noise=independent")
     dance = load_config(ROOT / "configs/tiny_dance_grpo.yaml", [*common, "algorithm.timestep_selection=first"])
     pb, tb, ab = _tree_and_adv(branch, tiny_adapter)
     pd, td, ad = _tree_and_adv(dance, tiny_adapter)
@@ -182,9 +183,9 @@ def test_branch_without_splits_is_dance_grpo(tiny_adapter):
 
 def test_egrpo_with_unit_merges_is_tempflow_branching(tiny_adapter):
     common = ["sampler.num_steps=6", "sampler.schedule=static_shift", "algorithm.group_size=3",
-              "algorithm.side.steps=[0,1,2]", "algorithm.side.seeds=1"]
-    eg = load_config(ROOT / "configs/tiny_e_grpo.yaml", [*common, "algorithm.side.merge=list",
-                                                            "algorithm.side.merge_lengths=[1,1,1]", "advantage.ddof=0"])
+              "algorithm.steps=[0,1,2]", "algorithm.seeds=1"]
+    eg = load_config(ROOT / "configs/tiny_e_grpo.yaml", [*common, "algorithm.merge=list",
+                                                            "algorithm.merge_lengths=[1,1,1]", "advantage.ddof=0"])
     tf = load_config(ROOT / "configs/tiny_tempflow_grpo.yaml", [*common, "advantage.ddof=0", "advantage.eps=1.0e-8"])
     pe, te, ae = _tree_and_adv(eg, tiny_adapter)
     pt, tt, at = _tree_and_adv(tf, tiny_adapter)
@@ -195,8 +196,8 @@ def test_egrpo_with_unit_merges_is_tempflow_branching(tiny_adapter):
 
 
 def test_merged_side_step_lands_on_the_right_sigma(tiny_adapter):
-    cfg = load_config(ROOT / "configs/tiny_e_grpo.yaml", ["sampler.num_steps=6", "algorithm.side.steps=[1]",
-                                                         "algorithm.side.merge=list", "algorithm.side.merge_lengths=[3]"])
+    cfg = load_config(ROOT / "configs/tiny_e_grpo.yaml", ["sampler.num_steps=6", "algorithm.steps=[1]",
+                                                         "algorithm.merge=list", "algorithm.merge_lengths=[3]"])
     plan, tree, adv = _tree_and_adv(cfg, tiny_adapter)
     # round 2 holds the 6 side children per prompt at index 1 + 3; they reach T = 6 two rounds later
     side = tree.lineage[2] == 1
@@ -219,7 +220,7 @@ def _iteration(tmp_path, name, *overrides):
 
 
 def test_branch_iteration_trains_each_parent_once(tmp_path):
-    row = _iteration(tmp_path, "tiny_branch_grpo.yaml", "algorithm.tree.width_pruning=parent_top1")
+    row = _iteration(tmp_path, "tiny_branch_grpo.yaml", "algorithm.width_pruning=parent_top1")
     assert row["nfe_rollout"] == 203 and row["leaves"] == 16
     assert row["trained_edges"] == 138 and row["pruned_edges"] == 80
     assert row["nfe_train"] == 43 + 80  # distinct parents of the kept edges
@@ -241,11 +242,11 @@ def test_noise_aware_weights_average_one(tmp_path):
 
     cfg = load_config(ROOT / "configs/tiny_tempflow_grpo.yaml", [f"log.output_dir={tmp_path}", "log.progress=false"])
     trainer = Trainer(cfg)
-    plan = build_plan(cfg, 0, sigmas=trainer.sigmas)
+    plan = make_algorithm(cfg).plan(0, sigmas=trainer.sigmas)
     cond = trainer.adapter.encode_prompts(["a cat"])
     tree = rollout(trainer.adapter, cond, plan, trainer.sigmas, trainer.latent_shape, kernel="flow_grpo",
                    noise_level=0.7, generator=torch.Generator().manual_seed(0))
-    w = trainer._noise_aware_weights(tree, tree.trained)
+    w = trainer.algorithm.loss_weights(tree, tree.trained)
     assert sorted(w) == list(range(9)) and sum(w.values()) / 9 == pytest.approx(1.0)
     sig = trainer.sigmas.double()
     s_r = torch.where(sig[:9] >= 1, sig[1], sig[:9])
@@ -254,9 +255,9 @@ def test_noise_aware_weights_average_one(tmp_path):
 
 
 def test_multi_granularity_completion(tiny_adapter):
-    cfg = load_config(ROOT / "configs/tiny_e_grpo.yaml", ["sampler.num_steps=6", "algorithm.side.steps=[0,1]",
-                                                         "algorithm.side.merge=list", "algorithm.side.merge_lengths=[1,2]",
-                                                         "algorithm.group_size=3", "algorithm.side.granularities=[1,2]"])
+    cfg = load_config(ROOT / "configs/tiny_e_grpo.yaml", ["sampler.num_steps=6", "algorithm.steps=[0,1]",
+                                                         "algorithm.merge=list", "algorithm.merge_lengths=[1,2]",
+                                                         "algorithm.group_size=3", "algorithm.granularities=[1,2]"])
     plan, tree, adv = _tree_and_adv(cfg, tiny_adapter)
     # a side child landing at j is finished by a stride-1 chain (6 - j steps) and a stride-2 chain (ceil((6 - j)/2))
     c = plan.counts()
@@ -266,10 +267,10 @@ def test_multi_granularity_completion(tiny_adapter):
     assert sorted(tree.leaf_stride.unique().tolist()) == [1, 2]
     # the SDE edge's advantage is the sum of its two completions' group advantages
     from flowrl.advantages import group_advantages
-    from flowrl.algorithms import leaf_group_ids
+    from flowrl.algorithms import make_algorithm
 
     rewards = tree.leaves.mean(dim=(1, 2, 3))
-    a_leaf, _ = group_advantages(rewards, leaf_group_ids(cfg, tree), cfg.advantage)
+    a_leaf, _ = group_advantages(rewards, make_algorithm(cfg).leaf_groups(tree), cfg.advantage)
     sde = torch.nonzero(tree.trained[1]).flatten()
     vals = tree.per_node(a_leaf)  # summed up the tree: the sum of the leaf advantages below each node
     for r in range(tree.num_rounds, 1, -1):

@@ -1,6 +1,16 @@
-"""Model adapters: one per family; each owns text encoding, the batched transformer call with CFG,
-latent <-> image decoding and LoRA targets."""
+"""Model adapters, one per family, behind :class:`flowrl.models.base.ModelAdapter`: text encoding with a
+cache, velocity with CFG for a batch of mixed sigmas, latent shape, decoding, LoRA targets, reference policy,
+weight saving. Tiny offline models and the shipped tiny-shapes model: :mod:`flowrl.models.tiny`."""
 
-from .sd3 import SD3_LORA_TARGETS, SD3_PRESETS, SD3Adapter
+from .base import ModelAdapter
+from .sd3 import SD3_LORA_TARGETS, SD3_PRESETS, PromptEmbeds, SD3Adapter
 
-__all__ = ["SD3Adapter", "SD3_LORA_TARGETS", "SD3_PRESETS"]
+ADAPTERS = {"sd3": SD3Adapter}
+
+
+def load_adapter(model_cfg, device="cpu") -> ModelAdapter:
+    """The adapter of ``model.family`` for ``model.pretrained`` (a registered name, hub id or local folder)."""
+    return ADAPTERS[model_cfg.family].from_config(model_cfg, device)
+
+
+__all__ = ["ADAPTERS", "ModelAdapter", "PromptEmbeds", "SD3Adapter", "SD3_LORA_TARGETS", "SD3_PRESETS", "load_adapter"]

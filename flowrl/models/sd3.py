@@ -36,62 +36,6 @@ class PromptEmbeds:
         return PromptEmbeds(self.embeds[idx], self.pooled[idx])
 
 
-def build_tiny_sd3_pipeline(tiny, seed: int = 0):
-    """A tiny SD3-architecture pipeline from configs, offline and randomly initialised.
-
-    ``tiny`` is a :class:`flowrl.config.TinyModelConfig`. Pixel space (``tiny.vae = False``) uses 3 image
-    channels directly; otherwise a tiny AutoencoderKL with 4 latent channels and 2x downsampling is built.
-    """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
-    from ..tokenizer import build_clip_tokenizer
-
-    torch.manual_seed(seed)
-    latent_size = tiny.resolution // (2 if tiny.vae else 1)
-    in_channels = 4 if tiny.vae else 3
-    transformer = SD3Transformer2DModel(
-        sample_size=latent_size,
-        patch_size=tiny.patch_size,
-        in_channels=in_channels,
-        out_channels=in_channels,
-        num_layers=tiny.num_layers,
-        attention_head_dim=tiny.attention_head_dim,
-        num_attention_heads=tiny.num_attention_heads,
-        joint_attention_dim=2 * tiny.text_hidden,
-        caption_projection_dim=tiny.attention_head_dim * tiny.num_attention_heads,
-        pooled_projection_dim=2 * tiny.text_projection,
-        pos_embed_max_size=max(latent_size // tiny.patch_size, 2),
-        qk_norm="rms_norm",
-    )
-    text_cfg = dict(hidden_size=tiny.text_hidden, intermediate_size=4 * tiny.text_hidden, num_hidden_layers=tiny.text_layers,
-                    num_attention_heads=max(tiny.text_hidden // 16, 1), projection_dim=tiny.text_projection,
-                    max_position_embeddings=max(tiny.max_tokens, 16), vocab_size=49408,
-                    bos_token_id=49406, eos_token_id=49407, pad_token_id=49407)
-    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**text_cfg))
-    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**text_cfg))
-    tokenizer = build_clip_tokenizer(tiny.max_tokens)
-    tokenizer_2 = build_clip_tokenizer(tiny.max_tokens)
-    vae = None
-    if tiny.vae:
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=4,
-            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-            block_out_channels=(16, 32), layers_per_block=1, norm_num_groups=8, sample_size=tiny.resolution,
-            shift_factor=0.0, scaling_factor=1.0,
-        )
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=tiny.shift)
-    pipe = StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=scheduler, vae=vae,
-        text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
-        text_encoder_3=None, tokenizer_3=None,
-    )
-    if vae is None:
-        pipe.vae_scale_factor = 1
-    return pipe
-
-
 def load_sd3_pipeline(name_or_path: str, dtype: torch.dtype, allow_t5: bool = True):
     """Load a diffusers SD3 checkpoint by hub id or local path (downloads only if the hub is reachable)."""
     from diffusers import StableDiffusion3Pipeline
@@ -107,6 +51,8 @@ def load_sd3_pipeline(name_or_path: str, dtype: torch.dtype, allow_t5: bool = Tr
 
 
 class SD3Adapter:
+    """The :class:`flowrl.models.base.ModelAdapter` of SD3 / SD3.5."""
+
     family = "sd3"
 
     def __init__(self, pipe, max_sequence_length: int = 256, device: str | torch.device = "cpu",
@@ -128,24 +74,31 @@ class SD3Adapter:
     # ---------------------------------------------------------------- construction
     @classmethod
     def from_config(cls, model_cfg, device="cpu") -> "SD3Adapter":
+        from ..registry import MODEL_NAMES, resolve
+        from .tiny import build_tiny_sd3_pipeline
+
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[model_cfg.dtype]
-        if model_cfg.pretrained in (None, "", "tiny"):
+        name = model_cfg.pretrained
+        if name in (None, "", "tiny"):
             pipe = build_tiny_sd3_pipeline(model_cfg.tiny, seed=model_cfg.tiny.init_seed)
             max_seq = 0  # no T5: zero padding tokens would only cost time (tiny-default.md)
-        elif model_cfg.pretrained == "tiny-shapes" or (Path(model_cfg.pretrained) / "pretrain.json").is_file():
-            from ..pretrain import load_tiny_shapes_pipeline
-
-            # the shipped model, or a folder written by `flowrl pretrain-tiny --export-dir`
-            pipe = load_tiny_shapes_pipeline(None if model_cfg.pretrained == "tiny-shapes" else model_cfg.pretrained)
+        elif name in MODEL_NAMES or (Path(name) / "pretrain.json").is_file():
+            # a named embedded model, or a folder written by `flowrl pretrain-tiny --export-dir`
+            loader = resolve(MODEL_NAMES, name if name in MODEL_NAMES else "tiny-shapes", "model.pretrained")
+            pipe = loader(None if name in MODEL_NAMES else name)
             size = pipe.transformer.config.sample_size
             if model_cfg.resolution != size:
-                raise ConfigError(f"model.resolution: the tiny-shapes model draws {size} px images; set "
+                raise ConfigError(f"model.resolution: the {name} model draws {size} px images; set "
                                   f"model.resolution={size}")
             max_seq = 0
         else:
-            pipe = load_sd3_pipeline(model_cfg.pretrained, dtype, allow_t5=model_cfg.use_t5)
+            pipe = load_sd3_pipeline(name, dtype, allow_t5=model_cfg.use_t5)
             max_seq = model_cfg.max_sequence_length if model_cfg.use_t5 else 0
         return cls(pipe, max_sequence_length=max_seq, device=device, dtype=dtype)
+
+    @property
+    def scheduler_config(self) -> dict:
+        return dict(self.pipe.scheduler.config)
 
     # ---------------------------------------------------------------- geometry
     @property
@@ -217,8 +170,15 @@ class SD3Adapter:
         image = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]
         return (image.float() / 2 + 0.5).clamp(0, 1)
 
-    # ---------------------------------------------------------------- LoRA
+    # ---------------------------------------------------------------- LoRA and weights
     lora_targets = SD3_LORA_TARGETS
+
+    def save_lora(self, directory, layers: dict, metadata: dict) -> None:
+        """LoRA weights in diffusers' SD3 format (``StableDiffusion3Pipeline.load_lora_weights`` reads them)."""
+        from diffusers import StableDiffusion3Pipeline
+
+        StableDiffusion3Pipeline.save_lora_weights(str(directory), transformer_lora_layers=layers,
+                                                   transformer_lora_adapter_metadata=metadata)
 
     @contextmanager
     def reference(self):

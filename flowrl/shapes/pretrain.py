@@ -22,18 +22,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .config import TinyModelConfig
-from .errors import FlowRLError
-from .shapes import render, split_specs
+from ..config import TinyModelConfig
+from ..errors import FlowRLError
+from ..resources import assets_dir
+from .domain import render, split_specs
 
 SHAPES_TINY = TinyModelConfig(resolution=32, vae=False, patch_size=4, num_layers=4, num_attention_heads=3,
                               attention_head_dim=64, text_hidden=32, text_projection=32, text_layers=2, max_tokens=16,
                               shift=1.0, init_seed=0)
 COMPONENTS = ("transformer", "text_encoder", "text_encoder_2")
-
-
-def default_assets_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "assets"
 
 
 def shapes_batch(specs, batch: int, rng: random.Random, res: int) -> tuple[torch.Tensor, list[str]]:
@@ -114,9 +111,10 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
                   decay_from: int | None = None, lr_final: float = 0.1) -> Path:
     from diffusers.training_utils import EMAModel
 
-    from .models.sd3 import SD3Adapter, build_tiny_sd3_pipeline
-    from .report import save_grid
-    from .trainer import sample_images
+    from ..models.sd3 import SD3Adapter
+    from ..models.tiny import build_tiny_sd3_pipeline
+    from ..report import save_grid
+    from ..sampling import sample_images
 
     work_dir = Path(work_dir)
     torch.manual_seed(seed)
@@ -172,7 +170,7 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
             adapter = SD3Adapter(pipe, max_sequence_length=0)
             prompts_h = [s.prompt for s in held_specs[:: max(1, len(held_specs) // 6)][:6]]
             neg = adapter.encode_prompts([""])
-            from .samplers import make_sigmas
+            from ..samplers import make_sigmas
 
             sig = make_sigmas("diffusers", 10, scheduler_config=dict(pipe.scheduler.config))
             imgs = sample_images(adapter, prompts_h, [0, 1, 2, 3], sig, (3, 32, 32), 4.5, neg)
@@ -190,34 +188,7 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
             "caption_dropout": caption_dropout, "wall_time_s": round(wall, 1), "final_loss_ema": loss_ema,
             "transformer_params": n_params, "text_encoder_params": n_text, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "config": SHAPES_TINY.__dict__}
-    out = Path(export_dir) if export_dir else default_assets_dir() / "tiny_shapes"
+    out = Path(export_dir) if export_dir else assets_dir() / "tiny_shapes"
     export_model(pipe, out, meta)
     print(json.dumps({"exported": str(out), "wall_time_min": round(wall / 60, 1), "loss": loss_ema}))
     return out
-
-
-def load_tiny_shapes_pipeline(path: str | Path | None = None):
-    """The shipped pretrained tiny model as a StableDiffusion3Pipeline (fp32), tokenizers built offline."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-    from transformers import CLIPTextModelWithProjection
-
-    from .tokenizer import build_clip_tokenizer
-
-    path = Path(path) if path else default_assets_dir() / "tiny_shapes"
-    if not (path / "transformer" / "config.json").is_file():
-        raise FlowRLError(f"the pretrained tiny model is missing at {path}; run `flowrl pretrain-tiny` to rebuild it")
-    kw = {"torch_dtype": torch.float32}
-    meta = json.loads((path / "pretrain.json").read_text()) if (path / "pretrain.json").is_file() else {}
-    max_tokens = meta.get("config", {}).get("max_tokens", 16)
-    pipe = StableDiffusion3Pipeline(
-        transformer=SD3Transformer2DModel.from_pretrained(str(path / "transformer"), **kw),
-        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(str(path / "scheduler")),
-        vae=None,
-        text_encoder=CLIPTextModelWithProjection.from_pretrained(str(path / "text_encoder"), **kw),
-        tokenizer=build_clip_tokenizer(max_tokens),
-        text_encoder_2=CLIPTextModelWithProjection.from_pretrained(str(path / "text_encoder_2"), **kw),
-        tokenizer_2=build_clip_tokenizer(max_tokens),
-        text_encoder_3=None, tokenizer_3=None,
-    )
-    pipe.vae_scale_factor = 1
-    return pipe

@@ -14,10 +14,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flowrl.errors import RewardError
-from flowrl.shapes import COLORS, SHAPES, ShapeSpec, _mask, parse_prompt
-
-from .registry import register_reward
+from ..errors import RewardError
+from ..rewards.registry import register_reward
+from .domain import COLORS, SHAPES, ShapeSpec, parse_prompt, shape_mask
 
 PALETTE = np.array(list(COLORS.values()), dtype=np.float32)  # (8, 3)
 NAMES = list(COLORS)
@@ -52,7 +51,7 @@ def _shape_ious(mask: np.ndarray) -> dict[str, float]:
         for size in (size0 - 1, size0, size0 + 1):
             if size < 3:
                 continue
-            tmpl = _mask(shape, size, res, top, left)
+            tmpl = shape_mask(shape, size, res, top, left)
             inter = (tmpl & mask).sum()
             union = (tmpl | mask).sum()
             best = max(best, inter / union if union else 0.0)

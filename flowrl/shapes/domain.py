@@ -69,7 +69,7 @@ def parse_prompt(prompt: str) -> ShapeSpec | None:
     return ShapeSpec(shape, color, background)
 
 
-def _mask(shape: str, size: int, res: int, top: int, left: int) -> np.ndarray:
+def shape_mask(shape: str, size: int, res: int, top: int, left: int) -> np.ndarray:
     yy, xx = np.mgrid[0:res, 0:res]
     y = yy - top
     x = xx - left
@@ -99,5 +99,15 @@ def render(spec: ShapeSpec, res: int = 32, seed: int = 0) -> np.ndarray:
     left = rng.randint(1, res - size - 1)
     img = np.empty((res, res, 3), dtype=np.uint8)
     img[:] = COLORS[spec.background]
-    img[_mask(spec.shape, size, res, top, left)] = COLORS[spec.color]
+    img[shape_mask(spec.shape, size, res, top, left)] = COLORS[spec.color]
     return img
+
+
+def train_prompts() -> list[str]:
+    """The registered prompt set ``shapes-train``."""
+    return [s.prompt for s in split_specs()[0]]
+
+
+def heldout_prompts() -> list[str]:
+    """The registered prompt set ``shapes-heldout`` (captions never seen in pretraining)."""
+    return [s.prompt for s in split_specs()[1]]

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .domain import all_specs, render, split_specs
 from .pretrain import shapes_batch
-from .shapes import all_specs, render, split_specs
 
 
 @torch.no_grad()
@@ -21,7 +21,7 @@ def retrieval_accuracy(model, tokenizer, seeds=range(4)) -> dict:
     """Image -> text top-1 over all 224 prompts, on held-out-prompt images and on training-prompt images."""
     import numpy as np
 
-    from .rewards.clip import preprocess
+    from ..rewards.clip import preprocess
 
     model.eval()
     prompts = [s.prompt for s in all_specs()]
@@ -43,7 +43,7 @@ def pretrain_tiny_clip(steps: int = 1500, batch: int = 64, lr: float = 1e-3, see
     import open_clip
     from safetensors.torch import save_file
 
-    from .rewards.clip import TINY_CLIP_DIR, build_open_clip, preprocess, tiny_clip_config
+    from ..rewards.clip import TINY_CLIP_DIR, build_open_clip, preprocess, tiny_clip_config
 
     torch.manual_seed(seed)
     config = tiny_clip_config()

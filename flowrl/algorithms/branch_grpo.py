@@ -1,0 +1,100 @@
+"""BranchGRPO (arXiv 2509.06040): one root per prompt that branches K ways at the split steps (K ** |B|
+leaves form the group), every edge trained; leaf rewards are fused up the tree, advantages are z-scored per
+(tree, depth), and width / depth pruning drop gradient work. ``mix``: ODE outside the split steps and the
+window (BranchGRPO-Mix). Tree maths: flowrl/trees.py; spec: ../shared/spec/algorithms.md section 1."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .. import trees
+from ..advantages import group_advantages
+from ..config import opt
+from ..errors import ConfigError
+from ..samplers import RolloutPlan, StepSpec
+from .base import AlgorithmOptions, WindowOptions, check_steps, check_window, window_start
+from .flow_grpo import FlowGRPO
+
+
+@dataclass
+class BranchGRPOOptions(AlgorithmOptions):
+    group_size: Optional[int] = opt(None, "leaves per tree; must equal branch_factor ** len(split_steps) "
+                                    "(null: derived)")
+    split_steps: list[int] = opt([0, 3, 6, 9], "step indices where every node branches")
+    branch_factor: int = opt(2, "children per node at a split step (K)", lo=2)
+    sibling_noise: str = opt("correlated", "correlated: the paper's marginal-preserving sibling noise; scaled: the "
+                             "released code (independent noise x strength, log-prob under the unscaled std)",
+                             choices=["correlated", "scaled", "independent"])
+    sibling_strength: float = opt(4.0, "s of the correlated construction, or the code's noise scale", lo=0.0)
+    fusion: str = opt("uniform", "leaf rewards -> node values: uniform mean, the paper's path-probability "
+                      "weighting (beta), or the code's recursive child-edge softmax",
+                      choices=["uniform", "path_weighted", "edge_softmax"])
+    fusion_beta: float = opt(1.0, "beta of path_weighted / edge_softmax fusion")
+    width_pruning: str = opt("none", "drop gradient work after the last split",
+                             choices=["none", "parent_top1", "extreme", "chain_ratio", "global_ratio"])
+    width_ratio: float = opt(0.5, "chain_ratio / global_ratio: fraction of post-split edges kept", lo=0.0, hi=1.0)
+    extreme_b: int = opt(0, "extreme: best and worst leaves kept per tree (0 = a quarter of the leaves)", lo=0)
+    depth_pruning: list[int] = opt([], "child depths whose edges are not trained at iteration 0 (empty = off)")
+    depth_slide_every: int = opt(30, "iterations between moves of the depth window (one depth earlier)", lo=1)
+    depth_stop: int = opt(-1, "the window stops when its shallowest depth reaches this (-1 = last split + 1)")
+    prune_until: float = opt(1.0, "prune only while iteration < prune_until * train.iterations", lo=0.0, hi=1.0)
+    mix: bool = opt(False, "BranchGRPO-Mix: ODE outside split steps and the window; only SDE edges trained")
+    window: WindowOptions = field(default_factory=WindowOptions)
+
+
+class BranchGRPO(FlowGRPO):
+    Options = BranchGRPOOptions
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        o, t = cfg.algorithm, cfg.sampler.num_steps
+        splits = check_steps("algorithm.split_steps", o.split_steps, t)
+        leaves = o.branch_factor ** len(splits)
+        if o.group_size is not None and o.group_size != leaves:
+            raise ConfigError(f"algorithm.group_size ({o.group_size}) must equal branch_factor ** len(split_steps) "
+                              f"= {o.branch_factor}^{len(splits)} = {leaves} for branch_grpo; set "
+                              f"algorithm.group_size={leaves} or leave it out")
+        if o.window.size and not o.mix:
+            raise ConfigError("algorithm.window: branch_grpo uses a window only with algorithm.mix=true")
+        check_window(cfg, required=False)
+
+    def plan(self, it: int, rng: random.Random | None = None, sigmas: torch.Tensor | None = None) -> RolloutPlan:
+        o, t = self.opts, self.cfg.sampler.num_steps
+        rng = rng or random.Random(self.cfg.train.seed * 1000003 + it)
+        splits = sorted(o.split_steps)
+        notes = {}
+        if o.mix:
+            start = window_start(o.window, t, it, rng) if o.window.size else 0
+            sde = [i in splits or start <= i < start + o.window.size for i in range(t)]
+            notes["window_start"] = start
+        else:
+            sde = [True] * t
+        steps = [StepSpec(sde=sde[i], branch=o.branch_factor if i in splits else 1, trained=sde[i],
+                          sibling_noise=o.sibling_noise, sibling_strength=o.sibling_strength) for i in range(t)]
+        return RolloutPlan(steps, roots_per_prompt=1, notes=notes)
+
+    def advantages(self, tree, rewards: torch.Tensor, it: int, prompts: list[str] | None = None):
+        """Fused node values, depth-wise z-scores (clipped), and pruning masks while pruning is on."""
+        o, adv_cfg = self.opts, self.cfg.advantage
+        _, stats = group_advantages(rewards, tree.leaf_group, adv_cfg)  # leaf-level statistics, for logging
+        values = trees.fuse_rewards(tree, rewards, o.fusion, o.fusion_beta)
+        adv, depth_stats = trees.depth_advantages(tree, values, adv_cfg.ddof, adv_cfg.eps, adv_cfg.zero_std_threshold)
+        adv = [x.clamp(-adv_cfg.clip, adv_cfg.clip) for x in adv]
+        stats.update(depth_stats)
+        keep = [torch.ones(x.shape[0], dtype=torch.bool) for x in tree.latents]
+        if it < o.prune_until * self.cfg.train.iterations:
+            last_split = max(o.split_steps)
+            keep = trees.width_prune_masks(tree, last_split, o.width_pruning, values, adv, rewards, o.width_ratio,
+                                           o.extreme_b)
+            stop = last_split + 1 if o.depth_stop < 0 else o.depth_stop
+            window = trees.depth_window(o.depth_pruning, it, o.depth_slide_every, stop)
+            keep = [k & d for k, d in zip(keep, trees.depth_prune_masks(tree, window))]
+            if window:
+                stats["depth_window_min"] = min(window)
+        if self.cfg.advantage.zero_variance == "drop_refill" and prompts is not None:
+            keep = [k & m for k, m in zip(keep, self._refill_masks(tree, rewards, stats))]
+        return adv, keep, stats

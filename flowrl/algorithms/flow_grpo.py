@@ -1,0 +1,178 @@
+"""Flow-GRPO (arXiv 2505.05470): G independent initial noises per prompt, every step SDE, the first
+int(T * timestep_fraction) steps trained (steps 0..8 of 10), group z-scored advantages, per-step PPO clip.
+
+This class is also the default of every hook: each other algorithm module subclasses it and overrides only
+what makes it different. The hooks, in the order the trainer calls them each iteration:
+
+1. :meth:`choose_prompts`: the iteration's prompts, their metadata and (optionally) a group size per prompt;
+2. :meth:`plan`: the rollout plan (per denoising step: SDE or ODE, branching, side branches, trained);
+3. :meth:`advantages`: leaf rewards -> per-node (edge) advantages and keep masks (pruning);
+4. :meth:`observe_rewards`: trackers and curricula see the rewards (after the advantages used them);
+5. :meth:`select_edges`: which candidate edges are trained this iteration;
+6. :meth:`work_items` / :meth:`item_rows` / :meth:`loss_rows`: the unit of gradient work and how per-edge
+   log-ratios become loss rows (per step here; per chunk in Chunk-GRPO); :meth:`loss_weights`: per-step weights;
+7. :meth:`observe_update`: what the update measured (SPO's KL-adaptive forgetting uses it);
+plus :meth:`check` (cross-field checks at config load) and :meth:`state_dict` for exact resume.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from ..advantages import group_advantages
+from ..config import opt
+from ..samplers import RolloutPlan, StepSpec
+from ..trackers import BetaTracker
+from .base import AlgorithmContext, Unit, WindowedOptions, check_window, window_start
+
+
+@dataclass
+class FlowGRPOOptions(WindowedOptions):
+    timestep_fraction: float = opt(0.99, "the first int(T * f) steps are trained (without a window)", lo=0.0, hi=1.0,
+                                   lo_open=True)
+
+
+class FlowGRPO:
+    Options = FlowGRPOOptions
+    window_required = False
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.opts = cfg.algorithm
+        adv = cfg.advantage
+        self.tracker = (BetaTracker(adv.tracker_rho, reward_range=tuple(adv.tracker_reward_range))
+                        if adv.zero_variance == "tracker" else None)
+        self.last_divergence: float | None = None
+
+    # ------------------------------------------------------------------------------------------ config
+    @classmethod
+    def check(cls, cfg) -> None:
+        """Cross-field checks, run at config load (before a model is loaded or a file written)."""
+        check_window(cfg, required=cls.window_required)
+
+    # ------------------------------------------------------------------------------------------ prompts
+    def choose_prompts(self, ctx: AlgorithmContext, it: int, gen: torch.Generator, row: dict):
+        """(prompts, metadata, group size per prompt or None = the plan's). ``drop_refill`` rolls out
+        ``refill_extra`` more prompts than ``prompts_per_iter``."""
+        adv = self.cfg.advantage
+        extra = adv.refill_extra if adv.zero_variance == "drop_refill" else 0
+        prompts, metadata = ctx.prompts.batch(it, self.cfg.train.prompts_per_iter + extra)
+        return prompts, metadata, None
+
+    # ------------------------------------------------------------------------------------------ plan
+    def trained_steps(self, t: int) -> list[bool]:
+        """Training candidates without a window: Flow-GRPO's first int(T * f) steps."""
+        n_train = max(1, min(int(t * self.opts.timestep_fraction), t))
+        return [i < n_train for i in range(t)]
+
+    def plan(self, it: int, rng: random.Random | None = None, sigmas: torch.Tensor | None = None) -> RolloutPlan:
+        t, o = self.cfg.sampler.num_steps, self.opts
+        rng = rng or random.Random(self.cfg.train.seed * 1000003 + it)
+        if o.window.size == 0:
+            sde, trained, notes = [True] * t, self.trained_steps(t), {}
+        else:  # hybrid ODE-SDE sampling: SDE and training only inside the window
+            start = window_start(o.window, t, it, rng)
+            sde = [start <= i < start + o.window.size for i in range(t)]
+            trained, notes = list(sde), {"window_start": start}
+        steps = [StepSpec(sde=s, trained=tr) for s, tr in zip(sde, trained)]
+        roots, shared = self.group()
+        if shared:  # one root per prompt that branches G ways at the first SDE step
+            steps[sde.index(True)].branch = roots
+            roots = 1
+        return RolloutPlan(steps, roots_per_prompt=roots, notes=notes)
+
+    def group(self) -> tuple[int, bool]:
+        """(samples per prompt in the plan, whether they share one initial noise)."""
+        return self.opts.group_size, self.opts.shared_noise
+
+    # ------------------------------------------------------------------------------------------ advantages
+    def leaf_groups(self, tree) -> torch.Tensor:
+        """(L,) advantage group of every leaf: its prompt."""
+        return tree.leaf_group
+
+    def leaf_advantages(self, tree, rewards: torch.Tensor, baselines: torch.Tensor | None):
+        """(L,) rewards -> (L,) advantages and statistics: the group z-score."""
+        return group_advantages(rewards, self.leaf_groups(tree), self.cfg.advantage, baselines)
+
+    def baselines(self, tree, prompts: list[str] | None) -> torch.Tensor | None:
+        """(L,) the prompt tracker's value of each leaf's prompt in reward units, before this iteration."""
+        if self.tracker is None or prompts is None:
+            return None
+        lo, hi = self.tracker.reward_range
+        return torch.tensor([lo + (hi - lo) * self.tracker.value(prompts[g]) for g in tree.leaf_group.tolist()])
+
+    def advantages(self, tree, rewards: torch.Tensor, it: int, prompts: list[str] | None = None):
+        """Leaf rewards (L,) -> (per-round node advantages, per-round keep masks, statistics). A node's value is
+        the mean advantage of the leaves below it: in a flat tree each trained edge has exactly one leaf below."""
+        adv_leaf, stats = self.leaf_advantages(tree, rewards, self.baselines(tree, prompts))
+        keep = [torch.ones(x.shape[0], dtype=torch.bool) for x in tree.latents]
+        if self.cfg.advantage.zero_variance == "drop_refill" and prompts is not None:
+            keep = [k & m for k, m in zip(keep, self._refill_masks(tree, rewards, stats))]
+        return tree.node_values_from_leaves(adv_leaf), keep, stats
+
+    def _refill_masks(self, tree, rewards: torch.Tensor, stats: dict) -> list[torch.Tensor]:
+        """drop_refill: train the first ``prompts_per_iter`` prompts whose rewards vary; the rest are dropped."""
+        groups, adv = tree.leaf_group, self.cfg.advantage
+        varied = []
+        for g in groups.unique().tolist():
+            r = rewards[(groups == g) & torch.isfinite(rewards)]
+            if r.numel() > 1 and float(r.std(correction=0)) >= adv.zero_std_threshold:
+                varied.append(g)
+        kept = set(varied[: self.cfg.train.prompts_per_iter])
+        stats["groups_dropped"] = int(groups.unique().numel()) - len(kept)
+        stats["groups_refilled"] = len([g for g in kept if g >= self.cfg.train.prompts_per_iter])
+        return [torch.tensor([int(g) in kept for g in grp.tolist()], dtype=torch.bool) for grp in tree.group]
+
+    def observe_rewards(self, prompts: list[str], tree, rewards: torch.Tensor) -> None:
+        if self.tracker is not None:
+            for g, p in enumerate(prompts):
+                self.tracker.update(p, rewards[tree.leaf_group == g], self.last_divergence)
+
+    # ------------------------------------------------------------------------------------------ edges
+    def select_edges(self, tree, gen: torch.Generator) -> list[torch.Tensor]:
+        """Per round, a bool mask over its nodes: train the edge into that node (here: the plan's candidates)."""
+        return [m.clone() for m in tree.trained]
+
+    def work_items(self, tree, node_adv, masks, gen: torch.Generator) -> list[list[Unit]]:
+        """One item per parent state with all its trained edges. Edges with zero advantage carry no policy
+        gradient and are skipped unless a KL term needs them."""
+        keep_zero = self.cfg.train.kl_beta > 0
+        items = []
+        for d in range(1, tree.num_rounds + 1):
+            sel = masks[d] if keep_zero else masks[d] & (node_adv[d] != 0)
+            children = torch.nonzero(sel).flatten()
+            by_parent: dict[int, list[int]] = {}
+            for c, p in zip(children.tolist(), tree.parent[d][children].tolist()):
+                by_parent.setdefault(p, []).append(c)
+            items += [[Unit(d - 1, p, cs)] for p, cs in by_parent.items()]
+        return items
+
+    def item_rows(self, item: list[Unit]) -> int:
+        """Loss rows an item contributes (the loss is their mean over the minibatch)."""
+        return sum(len(u.children) for u in item)
+
+    def loss_rows(self, items: list[list[Unit]], log_prob, old_log_prob, adv, kl, step):
+        """Per-edge (E,) terms of a micro-batch of items -> per-row (log-ratio, advantage, kl, step index)."""
+        return log_prob - old_log_prob, adv, kl, step
+
+    def loss_weights(self, tree, masks) -> dict[int, float] | None:
+        """Per-step loss weight keyed by the parent's grid index, or None (all 1)."""
+        return None
+
+    def observe_update(self, stats: dict) -> None:
+        self.last_divergence = stats.get("mean_abs_log_ratio")
+
+    # ------------------------------------------------------------------------------------------ resume
+    def state_dict(self) -> dict:
+        state: dict = {"last_divergence": self.last_divergence}
+        if self.tracker is not None:
+            state["tracker"] = self.tracker.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_divergence = state.get("last_divergence")
+        if self.tracker is not None and "tracker" in state:
+            self.tracker.load_state_dict(state["tracker"])

@@ -1,0 +1,56 @@
+"""What the engine, trainer and sampler need of a model: the adapter protocol every family implements.
+
+Latents are (B, *latent_shape): (B, C, H, W) for images, (B, C, F, H, W) for video; the engine, plans, trees,
+advantages and updates never look inside them.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class PromptBatch(Protocol):
+    """Encoded prompts, one row per prompt; ``embeds`` (N, ...) is what the engine reads the batch size from."""
+
+    embeds: torch.Tensor
+
+    def index(self, idx: torch.Tensor) -> "PromptBatch": ...
+
+
+@runtime_checkable
+class ModelAdapter(Protocol):
+    family: str
+    transformer: torch.nn.Module  # the trained module (wrapped by accelerate during training)
+    device: torch.device
+    lora_targets: list[str]  # default peft target modules
+
+    def encode_prompts(self, prompts: list[str]) -> PromptBatch:
+        """Embeddings per prompt, computed once per distinct string and cached."""
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: PromptBatch, guidance_scale: float = 1.0,
+                 negative: PromptBatch | None = None) -> torch.Tensor:
+        """v(x, sigma | prompt) in fp32 for a batch of latents at per-sample sigmas (B,), with true CFG."""
+
+    def latent_shape(self, resolution: int) -> tuple[int, ...]:
+        """Latent shape of one sample (no batch axis)."""
+
+    def image_seq_len(self, resolution: int) -> int:
+        """Transformer tokens per sample (dynamic shift)."""
+
+    @property
+    def scheduler_config(self) -> dict:
+        """The family's FlowMatchEulerDiscreteScheduler config (shift, dynamic shifting)."""
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> images (B, 3, H, W) or videos (B, F, 3, H, W) in [0, 1], fp32."""
+
+    def reference(self) -> AbstractContextManager:
+        """The reference policy for the KL term (LoRA disabled) for the duration of the context."""
+
+    def save_lora(self, directory: Path, layers: dict, metadata: dict) -> None:
+        """LoRA weights in the family's diffusers format."""

@@ -1,0 +1,96 @@
+"""The tiny SD3-architecture models: built offline from a config (random init, for tests and the quick demo),
+or the shipped pretrained ``tiny-shapes`` model loaded from the package's assets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import FlowRLError
+from ..resources import assets_dir
+
+
+def build_tiny_sd3_pipeline(tiny, seed: int = 0):
+    """A tiny SD3-architecture pipeline from configs, offline and randomly initialised.
+
+    ``tiny`` is a :class:`flowrl.config.TinyModelConfig`. Pixel space (``tiny.vae = False``) uses 3 image
+    channels directly; otherwise a tiny AutoencoderKL with 4 latent channels and 2x downsampling is built.
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from ..tokenizer import build_clip_tokenizer
+
+    torch.manual_seed(seed)
+    latent_size = tiny.resolution // (2 if tiny.vae else 1)
+    in_channels = 4 if tiny.vae else 3
+    transformer = SD3Transformer2DModel(
+        sample_size=latent_size,
+        patch_size=tiny.patch_size,
+        in_channels=in_channels,
+        out_channels=in_channels,
+        num_layers=tiny.num_layers,
+        attention_head_dim=tiny.attention_head_dim,
+        num_attention_heads=tiny.num_attention_heads,
+        joint_attention_dim=2 * tiny.text_hidden,
+        caption_projection_dim=tiny.attention_head_dim * tiny.num_attention_heads,
+        pooled_projection_dim=2 * tiny.text_projection,
+        pos_embed_max_size=max(latent_size // tiny.patch_size, 2),
+        qk_norm="rms_norm",
+    )
+    text_cfg = dict(hidden_size=tiny.text_hidden, intermediate_size=4 * tiny.text_hidden, num_hidden_layers=tiny.text_layers,
+                    num_attention_heads=max(tiny.text_hidden // 16, 1), projection_dim=tiny.text_projection,
+                    max_position_embeddings=max(tiny.max_tokens, 16), vocab_size=49408,
+                    bos_token_id=49406, eos_token_id=49407, pad_token_id=49407)
+    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**text_cfg))
+    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**text_cfg))
+    tokenizer = build_clip_tokenizer(tiny.max_tokens)
+    tokenizer_2 = build_clip_tokenizer(tiny.max_tokens)
+    vae = None
+    if tiny.vae:
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=4,
+            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+            block_out_channels=(16, 32), layers_per_block=1, norm_num_groups=8, sample_size=tiny.resolution,
+            shift_factor=0.0, scaling_factor=1.0,
+        )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=tiny.shift)
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=scheduler, vae=vae,
+        text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+        text_encoder_3=None, tokenizer_3=None,
+    )
+    if vae is None:
+        pipe.vae_scale_factor = 1
+    return pipe
+
+
+def load_tiny_shapes_pipeline(path: str | Path | None = None):
+    """The shipped pretrained tiny model (or a folder written by ``flowrl pretrain-tiny --export-dir``) as a
+    StableDiffusion3Pipeline (fp32), tokenizers built offline."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection
+
+    from ..tokenizer import build_clip_tokenizer
+
+    path = Path(path) if path else assets_dir() / "tiny_shapes"
+    if not (path / "transformer" / "config.json").is_file():
+        raise FlowRLError(f"the pretrained tiny model is missing at {path}; run `flowrl pretrain-tiny` to rebuild it")
+    kw = {"torch_dtype": torch.float32}
+    meta = json.loads((path / "pretrain.json").read_text()) if (path / "pretrain.json").is_file() else {}
+    max_tokens = meta.get("config", {}).get("max_tokens", 16)
+    pipe = StableDiffusion3Pipeline(
+        transformer=SD3Transformer2DModel.from_pretrained(str(path / "transformer"), **kw),
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(str(path / "scheduler")),
+        vae=None,
+        text_encoder=CLIPTextModelWithProjection.from_pretrained(str(path / "text_encoder"), **kw),
+        tokenizer=build_clip_tokenizer(max_tokens),
+        text_encoder_2=CLIPTextModelWithProjection.from_pretrained(str(path / "text_encoder_2"), **kw),
+        tokenizer_2=build_clip_tokenizer(max_tokens),
+        text_encoder_3=None, tokenizer_3=None,
+    )
+    pipe.vae_scale_factor = 1
+    return pipe

@@ -1,0 +1,73 @@
+"""The trainable policy: the adapter's transformer with LoRA (peft) or full weights, wrapped by accelerate,
+its AdamW optimizer and optional EMA of the trained weights."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from .errors import ConfigError
+
+
+def add_lora(transformer, lora_cfg, default_targets: list[str]) -> None:
+    from peft import LoraConfig
+
+    targets = lora_cfg.targets or default_targets
+    present = {name for name, _ in transformer.named_modules()}
+    if not any(any(n.endswith(t) for n in present) for t in targets):
+        raise ConfigError(f"train.lora.targets: none of {targets} name a module of this transformer")
+    transformer.add_adapter(LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, init_lora_weights="gaussian",
+                                       target_modules=targets, lora_dropout=0.0))
+
+
+class Policy:
+    """Owns what the optimizer touches. ``accelerator.prepare`` wraps the transformer (DDP where launched so)."""
+
+    def __init__(self, cfg, adapter, device: torch.device):
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
+
+        # AcceleratorState is a process-wide singleton; a second Trainer in one process (tests, bench, notebooks)
+        # with another precision must start from a fresh one. The distributed (partial) state is kept.
+        AcceleratorState._reset_state(reset_partial_state=False)
+        self.accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, cpu=device.type == "cpu",
+                                       log_with=cfg.log.trackers or None)
+        self.lora = cfg.train.lora.enabled
+        transformer = adapter.transformer
+        if self.lora:
+            transformer.requires_grad_(False)
+            add_lora(transformer, cfg.train.lora, adapter.lora_targets)
+        else:
+            transformer.requires_grad_(True)
+        self.params = [p for p in transformer.parameters() if p.requires_grad]
+        for p in self.params:  # trainable weights stay fp32 (mixed precision autocasts the forward)
+            p.data = p.data.float()
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
+                                           eps=t.adam_eps, fused=device.type == "cuda")
+        adapter.transformer, self.optimizer = self.accelerator.prepare(transformer, self.optimizer)
+        self.ema = None
+        if t.ema.enabled:
+            from diffusers.training_utils import EMAModel
+
+            self.ema = EMAModel(self.params, decay=t.ema.decay)  # decay min((1+n)/(10+n), d) = Flow-GRPO's
+        self.adapter = adapter
+
+    @property
+    def module(self):
+        """The transformer without accelerate's wrapper."""
+        return self.accelerator.unwrap_model(self.adapter.transformer)
+
+    @contextmanager
+    def ema_weights(self):
+        """The EMA weights in place of the trained ones for the duration (sampling, evaluation)."""
+        if self.ema is None:
+            yield
+            return
+        self.ema.store(self.params)
+        self.ema.copy_to(self.params)
+        try:
+            yield
+        finally:
+            self.ema.restore(self.params)

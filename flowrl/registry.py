@@ -1,0 +1,74 @@
+"""Names -> implementations, resolved lazily by import path.
+
+The core never imports an algorithm module, the shapes demo or a user's plug-in by module name: it asks this
+registry, whose built-in entries are ``"module:attribute"`` strings imported on first use. A user plugs in their
+own algorithm, prompt set or evaluator with ``register_*`` (in-process) or by giving ``module:attribute`` as the
+name in a config, as rewards already allow.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import Any
+
+from .errors import ConfigError
+
+ALGORITHMS: dict[str, Any] = {
+    name: f"flowrl.algorithms.{name}:{cls}" for name, cls in [
+        ("flow_grpo", "FlowGRPO"), ("flow_grpo_fast", "FlowGRPOFast"), ("mix_grpo", "MixGRPO"),
+        ("dance_grpo", "DanceGRPO"), ("branch_grpo", "BranchGRPO"), ("tempflow_grpo", "TempFlowGRPO"),
+        ("e_grpo", "EGRPO"), ("chunk_grpo", "ChunkGRPO"), ("superflow", "SuperFlow"), ("ada_grpo", "AdaGRPO"),
+    ]
+}
+# built-in prompt sets: a function returning the list of prompts
+PROMPT_SETS: dict[str, Any] = {
+    "shapes-train": "flowrl.shapes.domain:train_prompts",
+    "shapes-heldout": "flowrl.shapes.domain:heldout_prompts",
+}
+# held-out evaluators (log.eval): a class built with no arguments, called as evaluator(sample_fn, seeds)
+EVALUATORS: dict[str, Any] = {"shapes": "flowrl.shapes.evaluate:ShapesEvaluator"}
+# pretrained model names that are not hub ids: a function(model_cfg) -> diffusers pipeline
+MODEL_NAMES: dict[str, Any] = {"tiny-shapes": "flowrl.models.tiny:load_tiny_shapes_pipeline"}
+
+
+def _import(path: str, what: str):
+    module, _, attr = path.partition(":")
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(f"{what}: cannot import module {module!r} ({exc})") from exc
+    if attr and not hasattr(obj, attr):
+        raise ConfigError(f"{what}: module {module!r} has no attribute {attr!r}")
+    return getattr(obj, attr) if attr else obj
+
+
+def resolve(table: dict[str, Any], name: str, what: str):
+    """The object registered under ``name`` (imported on first use), or ``module:attribute`` for a plug-in."""
+    entry = table.get(name)
+    if entry is None and ":" in name:
+        entry = name
+    if entry is None:
+        close = difflib.get_close_matches(name, list(table), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{what}: unknown name {name!r}{hint} (known: {', '.join(sorted(table))}; or give "
+                          "module:attribute)")
+    if isinstance(entry, str):
+        entry = _import(entry, what)
+        if name in table:
+            table[name] = entry
+    return entry
+
+
+def register(table: dict[str, Any], name: str, obj) -> None:
+    table[name] = obj
+
+
+def algorithm_class(name: str):
+    return resolve(ALGORITHMS, name, "algorithm.name")
+
+
+def register_algorithm(name: str, cls) -> None:
+    """Make ``cls`` (a subclass of :class:`flowrl.algorithms.FlowGRPO` with its own ``Options``) available
+    as ``algorithm.name: <name>``."""
+    register(ALGORITHMS, name, cls)
