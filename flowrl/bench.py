@@ -9,7 +9,6 @@ import time
 
 import torch
 
-
 from .engine import rollout
 
 

@@ -42,7 +42,6 @@ class Tree:
     stride: list[torch.Tensor] = field(default_factory=list)  # per round: (N_r,) completion stride (0: not completing)
     nfe: int = 0  # node velocity evaluations (CFG counted once)
     transformer_calls: int = 0
-    stats: dict = field(default_factory=dict)
 
     @classmethod
     def skeleton(cls, parents: list[list[int]], log_probs: list[list[float]] | None = None,
@@ -151,9 +150,6 @@ class Tree:
         """Completion granularity of each leaf (0 where a side jump landed on sigma_T or on the main line)."""
         return self.leaf_values(self.stride)
 
-    def num_edges(self) -> int:
-        return sum(x.shape[0] for x in self.latents[1:])
-
     def per_node(self, leaf_values: torch.Tensor, fill: float = 0.0) -> list[torch.Tensor]:
         """Scatter (L,) leaf values into per-round tensors (non-leaves get ``fill``)."""
         out = [torch.full((x.shape[0],), fill, dtype=leaf_values.dtype) for x in self.latents]
@@ -214,7 +210,7 @@ def sibling_noise(shape: tuple[int, ...], branch: int, mode: str, strength: floa
 def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape: tuple[int, ...], *,
             kernel: str, noise_level: float, generator: torch.Generator, max_batch: int = 64,
             guidance_scale: float = 1.0, negative=None, log_prob_reduce: str = "mean",
-            initial_noise: torch.Tensor | None = None, progress=None, roots: list[int] | None = None,
+            initial_noise: torch.Tensor | None = None, roots: list[int] | None = None,
             kernel_options: dict | None = None) -> Tree:
     """Run ``plan`` for every prompt row of ``cond`` (P prompts) and return the tree.
 
@@ -281,7 +277,7 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
                 noise = torch.randn(tuple(xp.shape), generator=generator).to(device)
                 xs, lp, sd = sde_step(xp, vp, s, float(sigmas[target]), level, noise)
                 parts.append((par, xs, torch.full((n,), target), torch.full((n,), i), lp, sd, torch.full((n,), level),
-                              torch.ones(n, dtype=torch.bool), torch.full((n,), spec.side_trained), torch.zeros(n)))
+                              torch.ones(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool), torch.zeros(n)))
         comp = live[lineage[live] >= 0]
         if comp.numel():  # side branches are completed deterministically, `stride` indices per ODE step
             stride = tree.stride[r][comp]
@@ -309,6 +305,4 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
         tree.group.append(tree.group[r][par])
         tree.root.append(tree.root[r][par])
         r += 1
-        if progress is not None:
-            progress.update(1)
     return tree

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 
-
 def reward_table(sampler, prompts: list[str], metadata: list[dict], seeds: list[int], reward_set, max_batch: int = 64,
                  progress: bool = True):
     """Score ODE samples of every (prompt, seed) with every reward of ``reward_set``.

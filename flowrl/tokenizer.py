@@ -8,8 +8,6 @@ Recipe (spec/rewards.md section 9.2): ids 0-255 are the byte alphabet in ``bytes
 from __future__ import annotations
 
 import gzip
-import html
-import json
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -80,23 +78,3 @@ def build_clip_tokenizer(model_max_length: int = 77):
     os.replace(tmp, cache) if not cache.exists() else None
     tok.model_max_length = model_max_length
     return tok
-
-
-def write_clip_tokenizer_files(directory: str | os.PathLike) -> Path:
-    """Write ``vocab.json`` and ``merges.txt`` (the openai layout) into ``directory``."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    vocab, merges = clip_vocab_and_merges()
-    (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, separators=(",", ":")), encoding="utf-8")
-    (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n", encoding="utf-8")
-    return directory
-
-
-def open_clip_clean(text: str) -> str:
-    """open_clip's default cleaning (ftfy, HTML unescape twice, whitespace collapse, lowercase)."""
-    import re
-
-    import ftfy
-
-    text = html.unescape(html.unescape(ftfy.fix_text(text)))
-    return re.sub(r"\s+", " ", text).strip().lower()

@@ -18,7 +18,14 @@ from tqdm.auto import tqdm
 
 from . import report
 from .algorithms import AlgorithmContext, Unit, make_algorithm
-from .checkpoint import find_checkpoint, latest_checkpoint, load_full_into, load_lora_into, load_trainer_state, save_checkpoint
+from .checkpoint import (
+    find_checkpoint,
+    latest_checkpoint,
+    load_full_into,
+    load_lora_into,
+    load_trainer_state,
+    save_checkpoint,
+)
 from .config import Config, save_config
 from .engine import Tree, kernel_options, rollout
 from .errors import ConfigError, FlowRLError
@@ -29,8 +36,8 @@ from .prompts import DEFAULT_TINY_PROMPTS, PromptSource
 from .registry import EVALUATORS, resolve
 from .rewards import build_reward_set
 from .rewards.registry import RewardScores
-from .sampling import Sampler, peak_memory_mb, resolve_device, sample_images, sigmas_for
 from .samplers.kernels import step as kernel_step
+from .sampling import Sampler, peak_memory_mb, resolve_device, sample_images, sigmas_for
 
 
 class Trainer:

@@ -29,7 +29,6 @@ class StepSpec:
     noise_level: float | None = None  # None: the sampler's default
     side: int = 0  # side children per main node: SDE jumps to index i + side_merge, then ODE to the end
     side_merge: int = 1
-    side_trained: bool = True
     # G2RPO's multi-granularity completion: each side child is finished once per stride g (ODE steps of g
     # grid indices, the last one clipped at sigma_T); (1,) is the ordinary completion
     side_granularities: tuple[int, ...] = (1,)
@@ -75,7 +74,6 @@ class RolloutPlan:
         """Per-prompt node and edge counts, by simulating the plan on counts instead of latents."""
         t = self.num_steps
         main = self.roots_per_prompt
-        main_per_depth = [main]
         nfe = edges = trained = leaves = 0
         for i, s in enumerate(self.steps):
             nfe += main  # every node above sigma_T is evaluated once
@@ -84,7 +82,7 @@ class RolloutPlan:
             if s.side:
                 n, j = main * s.side, i + s.side_merge  # side children land at index j
                 edges += n
-                trained += n * s.side_trained
+                trained += n  # side edges are always training candidates
                 if j == t:
                     leaves += n
                 else:  # the side child is evaluated once, then one ODE chain per granularity
@@ -93,28 +91,11 @@ class RolloutPlan:
                     edges += n * sum(chains)
                     leaves += n * len(chains)
             main *= s.branch
-            main_per_depth.append(main)
-        return {"leaves": main + leaves, "nfe": nfe, "edges": edges, "trained_edges": trained,
-                "main_per_depth": main_per_depth}
-
-    def nodes_per_depth(self) -> list[int]:
-        """Main nodes per prompt at depth 0..T (depth d holds latents at sigma_d)."""
-        return self.counts()["main_per_depth"]
+        return {"leaves": main + leaves, "nfe": nfe, "edges": edges, "trained_edges": trained}
 
     @property
     def leaves_per_prompt(self) -> int:
         return self.counts()["leaves"]
-
-    def nfe_per_prompt(self) -> int:
-        """Model evaluations per prompt in the rollout: one per non-leaf node (a parent's velocity serves
-        all of its children)."""
-        return self.counts()["nfe"]
-
-    def edges_per_prompt(self) -> int:
-        return self.counts()["edges"]
-
-    def trained_edges_per_prompt(self) -> int:
-        return self.counts()["trained_edges"]
 
     def accounting(self) -> dict:
         c = self.counts()

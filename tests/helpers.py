@@ -28,3 +28,32 @@ def slow_brightness(images, prompts, metadata):
 
     time.sleep(0.3)
     return images.mean(dim=(1, 2, 3))
+
+
+# ---------------------------------------------------------------- a user's algorithm, plugged in by name
+from dataclasses import dataclass  # noqa: E402
+
+from flowrl.algorithms import FlowGRPO  # noqa: E402
+from flowrl.algorithms.flow_grpo import FlowGRPOOptions  # noqa: E402
+from flowrl.config import opt  # noqa: E402
+from flowrl.errors import ConfigError  # noqa: E402
+
+
+@dataclass
+class EveryOtherStepOptions(FlowGRPOOptions):
+    stride: int = opt(2, "train every stride-th step", lo=1)
+
+
+class EveryOtherStep(FlowGRPO):
+    """Flow-GRPO that trains steps 0, stride, 2 stride, ... (``algorithm.name: tests.helpers:EveryOtherStep``)."""
+
+    Options = EveryOtherStepOptions
+
+    @classmethod
+    def check(cls, cfg):
+        super().check(cfg)
+        if cfg.algorithm.stride >= cfg.sampler.num_steps:
+            raise ConfigError(f"algorithm.stride: {cfg.algorithm.stride} leaves no trained step after step 0")
+
+    def trained_steps(self, t):
+        return [i % self.opts.stride == 0 for i in range(t)]

@@ -54,10 +54,11 @@ def test_edge_values_are_mean_of_descendant_leaves():
 def test_per_reward_advantages_weight_normalised_components():
     """DanceGRPO's multi-reward rule by hand: A = A_a + 0.5 A_b with each reward z-scored in its own group;
     the plain weighted sum is dominated by the large-scale reward instead."""
+    from flowrl.rewards.registry import RewardScores
+
+    from flowrl.algorithms import make_algorithm
     from flowrl.config import load_config
     from flowrl.engine import Tree
-    from flowrl.rewards.registry import RewardScores
-    from flowrl.algorithms import make_algorithm
     from flowrl.trainer import per_reward_advantages
 
     cfg = load_config(None, ["advantage.combine=per_reward"])

@@ -1,10 +1,14 @@
 """Bad input ends in one clear line naming what to change, before any output is written."""
 
+from pathlib import Path
+
 import pytest
 
 from flowrl.cli import main
 from flowrl.config import load_config
 from flowrl.errors import ConfigError, RewardError
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("override,message", [
@@ -81,8 +85,8 @@ def test_empty_prompt_file(tmp_path, capsys):
 
 def test_reward_wrong_shape_and_nan(tmp_path):
     import torch
-
     from flowrl.rewards import build_reward_set
+
     from flowrl.config import RewardSpec
 
     rs = build_reward_set([RewardSpec(name="tests.helpers:wrong_shape")])
@@ -104,3 +108,62 @@ def test_indexed_overrides_edit_reward_lists():
         load_config(None, ["rewards[3].name=shapes"])
     with pytest.raises(ConfigError, match="rewards\\[0\\].wieght"):
         load_config(None, ["rewards[0].wieght=2"])
+
+
+def test_algorithm_checks_fail_at_load_in_one_line_and_write_nothing(tmp_path, capsys):
+    """Checks that used to run in iteration 0 (after the model load, the run folder and the 'before' evaluation)
+    now run when the config is loaded."""
+    out = tmp_path / "runs"
+    base = ["train", f"log.output_dir={out}", "data.prompts=[a cat]"]
+    cases = [
+        (["configs/tiny_branch_grpo.yaml", "algorithm.group_size=8"],
+         "algorithm.group_size (8) must equal branch_factor ** len(split_steps) = 2^4 = 16"),
+        (["configs/tiny_branch_grpo.yaml", "algorithm.split_steps=[0, 25]"], "algorithm.split_steps: steps [25] are outside"),
+        (["configs/tiny_e_grpo.yaml", "algorithm.merge=list", "algorithm.merge_lengths=[1, 2]"],
+         "algorithm.merge_lengths needs one length per active step (8"),
+        (["configs/tiny_e_grpo.yaml", "algorithm.steps=[14]", "algorithm.merge=list", "algorithm.merge_lengths=[3]"],
+         "algorithm.merge_lengths: step 14 cannot merge 3 steps (1..2)"),
+        (["configs/tiny_chunk_grpo.yaml", "algorithm.sizes=[2, 3]"],
+         "algorithm.sizes [2, 3] must be positive and sum to the 16 trained transitions"),
+        (["configs/tiny_tempflow_grpo.yaml", "algorithm.steps=[0, 0]"], "repeat a step"),
+        (["configs/tiny_superflow.yaml", "algorithm.min_group=9"], "algorithm.min_group (9) must not exceed max_group (8)"),
+        (["configs/tiny_flow_grpo.yaml", "algorithm.split_steps=[0]"],
+         "algorithm.split_steps: not an option of flow_grpo"),
+        (["configs/tiny_flow_grpo.yaml", "algorithm.max_batch=4"], "has moved: use sampler.max_batch"),
+        (["configs/tiny_flow_grpo.yaml", "algorithm.name=flow_grp"], "did you mean 'flow_grpo'?"),
+    ]
+    for extra, expected in cases:
+        code, err = run_cli([base[0], extra[0], *base[1:], *extra[1:]], capsys)
+        assert code == 2, extra
+        assert len(err) == 1 and err[0].startswith("flowrl: error:"), err
+        assert expected in err[0], err[0]
+    assert not out.exists()
+
+
+def test_saved_config_holds_only_the_algorithms_options(tmp_path):
+    import yaml
+
+    from flowrl.config import save_config
+
+    cfg = load_config(ROOT / "configs/tiny_flow_grpo.yaml")
+    save_config(cfg, tmp_path / "c.yaml")
+    algo = yaml.safe_load((tmp_path / "c.yaml").read_text())["algorithm"]
+    assert set(algo) == {"name", "group_size", "shared_noise", "window", "timestep_fraction"}
+    assert load_config(tmp_path / "c.yaml") == cfg  # and it loads back to the same config
+    branch = load_config(ROOT / "configs/tiny_branch_grpo.yaml")
+    save_config(branch, tmp_path / "b.yaml")
+    keys = set(yaml.safe_load((tmp_path / "b.yaml").read_text())["algorithm"])
+    assert "split_steps" in keys and not keys & {"timestep_fraction", "rho", "merge_lengths", "sizes"}
+
+
+def test_a_plugged_in_algorithm_by_module_and_class(tmp_path):
+    """algorithm.name: module:Class plugs a user's algorithm in, with its own options and checks."""
+    cfg = load_config(None, ["algorithm.name=tests.helpers:EveryOtherStep", "algorithm.stride=3",
+                             "sampler.num_steps=6"])
+    from flowrl.algorithms import make_algorithm
+
+    plan = make_algorithm(cfg).plan(0)
+    assert [s.trained for s in plan.steps] == [True, False, False, True, False, False]
+    with pytest.raises(ConfigError, match="algorithm.stride: 7 leaves no trained step after step 0"):
+        load_config(None, ["algorithm.name=tests.helpers:EveryOtherStep", "algorithm.stride=7",
+                           "sampler.num_steps=6"])

@@ -80,8 +80,8 @@ def test_heldout_curve_counts_the_work_spent(tmp_path):
 
 def test_tiny_clip_scores_matching_captions_higher():
     import numpy as np
-
     from flowrl.rewards import build_reward
+
     from flowrl.shapes.domain import ShapeSpec, render
 
     clip = build_reward("clip")

@@ -4,10 +4,10 @@ import random
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
+from flowrl.samplers import RolloutPlan, StepSpec, make_sigmas
 
 from flowrl.algorithms import make_algorithm
 from flowrl.engine import rollout
-from flowrl.samplers import RolloutPlan, StepSpec, make_sigmas
 
 from .conftest import make_cfg
 
@@ -57,7 +57,7 @@ def test_dance_shared_noise_is_one_root_branching_g(tiny_adapter, tmp_path):
                    "algorithm.timestep_selection=random", "algorithm.timestep_fraction=0.5")
     plan = make_algorithm(cfg).plan(0)
     assert plan.roots_per_prompt == 1 and plan.steps[0].branch == 4
-    assert plan.nfe_per_prompt() == 1 + 4 * 4  # the shared root is evaluated once
+    assert plan.counts()["nfe"] == 1 + 4 * 4  # the shared root is evaluated once
     assert plan.leaves_per_prompt == 4
     cond = tiny_adapter.encode_prompts(PROMPTS)
     tree = rollout(tiny_adapter, cond, plan, make_sigmas("static_shift", 5, 3.0), tiny_adapter.latent_shape(16),
@@ -84,7 +84,7 @@ def test_mix_window_plans(tmp_path):
     assert [s.sde for s in plan.steps] == [False, False, True, True, True, False, False, False, False, False]
     assert [s.trained for s in plan.steps] == [s.sde for s in plan.steps]
     assert plan.steps[2].branch == 4 and plan.roots_per_prompt == 1  # shared ODE prefix, branch at the window
-    assert plan.nfe_per_prompt() == 3 + 4 * 7  # depths 0-2: one node; depths 3-9: four
+    assert plan.counts()["nfe"] == 3 + 4 * 7  # depths 0-2: one node; depths 3-9: four
     cfg_r = make_cfg(tmp_path, "algorithm.name=flow_grpo_fast", "algorithm.window.size=2",
                      "algorithm.window.placement=random", "algorithm.window.range_start=0", "algorithm.window.range_end=5")
     seen = {make_algorithm(cfg_r).plan(it, random.Random(it)).notes["window_start"] for it in range(50)}

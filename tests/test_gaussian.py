@@ -7,7 +7,6 @@ The marginal-preserving SDEs must then reproduce N(m, s^2) up to discretisation 
 
 import pytest
 import torch
-
 from flowrl.samplers import make_sigmas, step
 
 M, S = 0.5, 0.3

@@ -4,8 +4,14 @@ import math
 
 import pytest
 import torch
-
-from flowrl.samplers import static_shift_sigmas, cps_step, dance_sde_step, flow_grpo_sde_step, gaussian_log_prob, ode_step
+from flowrl.samplers import (
+    cps_step,
+    dance_sde_step,
+    flow_grpo_sde_step,
+    gaussian_log_prob,
+    ode_step,
+    static_shift_sigmas,
+)
 
 X, V, EPS = 0.3, -1.2, 0.5  # one latent element
 S, S_NEXT = 0.6, 0.45

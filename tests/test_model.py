@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 import torch
+from flowrl.rewards import build_reward
 
 from flowrl.config import load_config
 from flowrl.models import SD3Adapter
-from flowrl.rewards import build_reward
 
 from .conftest import make_cfg
 

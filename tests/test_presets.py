@@ -3,11 +3,11 @@
 from pathlib import Path
 
 import pytest
+from flowrl.samplers import make_sigmas
 
 from flowrl.algorithms import make_algorithm
 from flowrl.algorithms.tempflow_grpo import TempFlowGRPO
 from flowrl.config import load_config
-from flowrl.samplers import make_sigmas
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted(ROOT.glob("configs/*.yaml"))

@@ -2,7 +2,6 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-
 from flowrl.samplers import diffusers_sigmas, dynamic_shift_sigmas, static_shift_sigmas
 from flowrl.samplers.schedules import dynamic_shift_mu
 

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 import torch
+from flowrl.rewards import build_reward
 
 from flowrl.errors import RewardError
-from flowrl.rewards import build_reward
-from flowrl.shapes.reward import attribute_scores, classify
 from flowrl.shapes.domain import COLORS, SHAPES, ShapeSpec, all_specs, parse_prompt, render, split_specs
+from flowrl.shapes.reward import attribute_scores, classify
 
 
 def as_batch(imgs):

@@ -1,10 +1,33 @@
 """The CLIP tokenizer built offline from open_clip's bundled BPE file gives open_clip's ids."""
 
 import hashlib
+import html
+import json
+import re
+from pathlib import Path
 
 import pytest
 
-from flowrl.tokenizer import build_clip_tokenizer, clip_vocab_and_merges, open_clip_clean, write_clip_tokenizer_files
+from flowrl.tokenizer import build_clip_tokenizer, clip_vocab_and_merges
+
+
+def write_clip_tokenizer_files(directory) -> Path:
+    """``vocab.json`` and ``merges.txt`` in the openai layout, to compare bytes with the published files."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab, merges = clip_vocab_and_merges()
+    (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, separators=(",", ":")), encoding="utf-8")
+    (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n", encoding="utf-8")
+    return directory
+
+
+def open_clip_clean(text: str) -> str:
+    """open_clip's default cleaning (ftfy, HTML unescape twice, whitespace collapse, lowercase)."""
+    import ftfy
+
+    text = html.unescape(html.unescape(ftfy.fix_text(text)))
+    return re.sub(r"\s+", " ", text).strip().lower()
+
 
 PROMPTS = [
     "a red circle on a blue background",

@@ -8,8 +8,7 @@ import torch
 
 from flowrl.advantages import group_advantages
 from flowrl.config import AdvantageConfig, load_config
-from flowrl.trackers import (BetaTracker, CapabilityEMA, adagrpo_advantages, superflow_advantages,
-                             superflow_group_sizes)
+from flowrl.trackers import BetaTracker, CapabilityEMA, adagrpo_advantages, superflow_advantages, superflow_group_sizes
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,7 +18,12 @@ def build_tiny_sd3_pipeline(tiny, seed: int = 0):
     ``tiny`` is a :class:`flowrl.config.TinyModelConfig`. Pixel space (``tiny.vae = False``) uses 3 image
     channels directly; otherwise a tiny AutoencoderKL with 4 latent channels and 2x downsampling is built.
     """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
     from ..tokenizer import build_clip_tokenizer

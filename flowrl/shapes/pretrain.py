@@ -23,7 +23,6 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import TinyModelConfig
-from ..errors import FlowRLError
 from ..resources import assets_dir
 from .domain import render, split_specs
 
