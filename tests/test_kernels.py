@@ -113,3 +113,57 @@ def test_prev_sample_scoring_equals_sampling_logprob():
     # a row with a per-sample sigma equals the same row computed alone
     c = flow_grpo_sde_step(x[1:2], v[1:2], 0.5, 0.4, 0.7, noise=noise[1:2])
     assert torch.allclose(c.sample, a.sample[1:2], atol=1e-6)
+
+
+def test_cps_published_log_prob_is_reachable_from_the_config(tiny_adapter, tmp_path):
+    """sampler.cps_log_prob=published: the rollout stores -(x' - mean)^2 (mean over elements), the paper's and
+    Flow-GRPO's form, = 2 s^2 (log N + log s + log sqrt(2 pi)) of the same sample; and the first update's ratio is 1."""
+    from flowrl.config import load_config
+    from flowrl.engine import kernel_options, rollout
+    from flowrl.samplers import RolloutPlan, StepSpec, static_shift_sigmas
+
+    sig = static_shift_sigmas(4, 3.0)
+    plan = RolloutPlan([StepSpec(sde=True, trained=True) for _ in range(4)], roots_per_prompt=2)
+    cond = tiny_adapter.encode_prompts(["a cat"])
+    trees = {}
+    for mode in ("gaussian", "published"):
+        cfg = load_config(None, ["sampler.kernel=cps", f"sampler.cps_log_prob={mode}"])
+        trees[mode] = rollout(tiny_adapter, cond, plan, sig, (3, 16, 16), kernel="cps", noise_level=0.8,
+                              generator=torch.Generator().manual_seed(0), kernel_options=kernel_options(cfg))
+    for r in range(1, 4):  # the last step lands on sigma = 0, where CPS has no density
+        s = float(sig[r]) * math.sin(0.8 * math.pi / 2)  # CPS std of the step into round r
+        gauss, pub = trees["gaussian"].log_prob[r].double(), trees["published"].log_prob[r].double()
+        assert torch.equal(trees["gaussian"].latents[r], trees["published"].latents[r])
+        expect = 2 * s * s * (gauss + math.log(s) + 0.5 * math.log(2 * math.pi))
+        assert torch.allclose(pub, expect, rtol=1e-4, atol=1e-7) and (pub <= 0).all()
+    from flowrl.trainer import Trainer
+
+    trainer = Trainer(load_config(None, [f"log.output_dir={tmp_path}", "log.progress=false", "sampler.kernel=cps",
+                                         "sampler.cps_log_prob=published", "sampler.num_steps=4",
+                                         "train.prompts_per_iter=1", "log.sample_every=0", "log.save_every=0"]))
+    assert trainer.iteration(0)["ratio_max_abs_dev_first_update"] < 1e-5
+
+
+def test_flow_grpo_kl_normalisation_option():
+    """train.kl_std=flow_grpo divides by the std without sqrt(|dt|): the KL is |dt| times ours, so a published
+    Flow-GRPO beta carries over unchanged."""
+    from flowrl.losses import gaussian_kl_same_std, kl_std
+
+    g = torch.Generator().manual_seed(0)
+    x, v, v_ref = (torch.randn(2, 3, 4, 4, generator=g) for _ in range(3))
+    s, s_next = torch.tensor([0.8, 0.5]), torch.tensor([0.6, 0.45])
+    out = flow_grpo_sde_step(x, v, s, s_next, noise_level=0.7, noise=torch.zeros_like(x))
+    ref = flow_grpo_sde_step(x, v_ref, s, s_next, noise_level=0.7, noise=torch.zeros_like(x))
+    ours = gaussian_kl_same_std(out.mean, ref.mean, kl_std("transition", out.std, s, s_next))
+    theirs = gaussian_kl_same_std(out.mean, ref.mean, kl_std("flow_grpo", out.std, s, s_next))
+    assert torch.allclose(theirs, ours * (s - s_next), rtol=1e-5)
+    # the std it divides by is the kernel's g = a sqrt(sigma / (1 - sigma)): 0.7 * 2 = 1.4 at sigma = 0.8
+    assert kl_std("flow_grpo", out.std, s, s_next).flatten(1)[:, 0].tolist() == pytest.approx([1.4, 0.7], rel=1e-5)
+
+
+def test_flow_grpo_kl_normalisation_rejects_cps():
+    from flowrl.config import load_config
+    from flowrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="the cps kernel's std has no sqrt"):
+        load_config(None, ["sampler.kernel=cps", "train.kl_beta=0.01", "train.kl_std=flow_grpo"])

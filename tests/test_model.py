@@ -62,3 +62,17 @@ def test_bf16_mixed_precision_and_user_reward(tmp_path):
     row = Trainer(cfg).iteration(0)
     assert np.isfinite(row["reward_mean/total"]) and "reward_mean/brightness" in row
     assert row["ratio_max_abs_dev_first_update"] < 1e-5  # the same autocast in rollout and update
+
+
+def test_sd3_adapter_implements_the_protocol(tiny_adapter):
+    from flowrl.models import ModelAdapter
+    from flowrl.models.base import PromptBatch
+
+    assert isinstance(tiny_adapter, ModelAdapter)
+    assert isinstance(tiny_adapter.encode_prompts(["a cat"]), PromptBatch)
+    assert tiny_adapter.scheduler_config["shift"] == 1.0  # the tiny model's FlowMatchEulerDiscreteScheduler
+    # the protocol names exactly what the engine, trainer and sampler call on an adapter
+    members = {"family", "transformer", "device", "lora_targets", "encode_prompts", "velocity", "latent_shape",
+               "image_seq_len", "scheduler_config", "decode", "reference", "save_lora"}
+    declared = {n for n in vars(ModelAdapter) if not n.startswith("_")} | set(ModelAdapter.__annotations__)
+    assert declared == members
