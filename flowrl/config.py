@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -249,14 +250,19 @@ def _coerce(value, tp, key: str):
             return value
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(number):  # nan passes every range check (nan < lo is false)
+            raise ConfigError(f"{key}: {value!r} is not a finite number")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -339,6 +345,9 @@ def _build(cls, data: dict, prefix: str = ""):
                 hint = f"did you mean {prefix}.{close[0]!r}? " if close else ""
                 raise ConfigError(f"{key}: not an option of {data.get('name', cls.name)}; {hint}its options: {valid}")
             raise _unknown(key, cls, f"{prefix}." if prefix else "")
+        choices = names[k].metadata.get("choices") or []
+        if isinstance(v, bool) and hints[k] is str and ("no" if not v else "yes") in choices:
+            v = "no" if not v else "yes"  # YAML 1.1 reads `no` as false: accelerate's documented word is "no"
         value = _build_algorithm(v, key) if hints[k] is AlgorithmOptions else _coerce(v, hints[k], key)
         _check_range(value, names[k].metadata, key)
         kwargs[k] = value
@@ -422,7 +431,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                               "see `flowrl presets`)")
         path = found
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save the config as UTF-8") from exc
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""
@@ -433,8 +444,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = apply_override(data, text)
     data.setdefault("algorithm", {})  # the default algorithm's own options class, not the bare base
     cfg = _build(Config, data)
+    if cfg.data.prompt_file:
+        cfg.data.prompt_file = str(_resolve_data_path(cfg.data.prompt_file, path))
     validate(cfg)
     return cfg
+
+
+def _resolve_data_path(name: str, config_path: Path | None) -> Path:
+    """A relative data path as written in a config: from the current folder, else beside the config file, else
+    in the shipped assets (``assets/prompts/x.txt``), so a preset runs from any folder."""
+    from .resources import assets_dir
+
+    p = Path(name).expanduser()
+    if p.is_absolute() or p.exists():
+        return p
+    candidates = []
+    if config_path is not None:
+        candidates.append(Path(config_path).parent / p)
+    parts = p.parts[1:] if p.parts and p.parts[0] == "assets" else p.parts
+    candidates.append(assets_dir().joinpath(*parts))
+    return next((c for c in candidates if c.exists()), p)
 
 
 def validate(cfg: Config) -> None:
@@ -451,8 +480,18 @@ def validate(cfg: Config) -> None:
     if not lo < hi:
         raise ConfigError(f"advantage.tracker_reward_range {cfg.advantage.tracker_reward_range} must be [low, high] "
                           "with low < high")
-    if len(cfg.train.betas) != 2:
-        raise ConfigError("train.betas: expected two numbers, e.g. [0.9, 0.999]")
+    if len(cfg.train.betas) != 2 or not all(0 <= b < 1 for b in cfg.train.betas):
+        raise ConfigError(f"train.betas: {cfg.train.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+    for key, seeds in (("data.sample_seeds", cfg.data.sample_seeds), ("log.eval_seeds", cfg.log.eval_seeds)):
+        if not seeds:
+            raise ConfigError(f"{key}: list at least one seed, e.g. [0, 1, 2, 3]")
+    m = cfg.model
+    tiny = m.pretrained in (None, "", "tiny")
+    factor = m.tiny.patch_size * (2 if m.tiny.vae else 1) if tiny else 16  # SD3: VAE 8 x patch 2
+    if m.resolution % factor:
+        lo = m.resolution - m.resolution % factor
+        raise ConfigError(f"model.resolution: {m.resolution} px is not a multiple of {factor} (the latent patch "
+                          f"grid of this model); use {lo or factor} or {lo + factor}")
     if cfg.train.kl_beta > 0 and not cfg.train.lora.enabled:
         raise ConfigError("train.kl_beta: the reference policy is the model with LoRA disabled; "
                           "enable train.lora.enabled or set train.kl_beta=0")

@@ -34,8 +34,12 @@ def read_prompt_file(path: str | Path) -> tuple[list[str], list[dict]]:
     if not path.is_file():
         raise ConfigError(f"data.prompt_file: file not found: {path}")
     prompts, meta = [], []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save the prompt file as UTF-8") from exc
     if path.suffix == ".jsonl":
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        for n, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -47,7 +51,7 @@ def read_prompt_file(path: str | Path) -> tuple[list[str], list[dict]]:
             prompts.append(obj["prompt"])
             meta.append({k: v for k, v in obj.items() if k != "prompt"})
     else:
-        prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        prompts = [line.strip() for line in text.splitlines() if line.strip()]
         meta = [{} for _ in prompts]
     return prompts, meta
 
