@@ -58,65 +58,158 @@ def save_checkpoint(ckpt_dir: Path, adapter, transformer, optimizer, iteration: 
     return ckpt_dir
 
 
+def checkpoints_newest_first(run_dir: Path) -> list[Path]:
+    return sorted((p for p in (Path(run_dir) / "checkpoints").glob("iter_*") if p.is_dir()), reverse=True)
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file cannot be read whole (cut short, garbage, empty), from its header alone."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if size < 8 or n <= 0 or 8 + n > size:
+                return f"{path.name} is not a safetensors file (or is cut short)"
+            header = json.loads(fh.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{path.name} is unreadable ({type(exc).__name__})"
+    return None if 8 + n + end == size else f"{path.name} is cut short ({size} of {8 + n + end} bytes)"
+
+
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """None if the checkpoint folder is whole (state.json, trainer state, weights), else why not."""
+    ckpt = Path(ckpt)
+    try:
+        state = json.loads((ckpt / "state.json").read_text())
+        int(state["iteration"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "state.json is missing or unreadable"
+    weights = [ckpt / LORA_FILE] if state.get("lora", True) else sorted((ckpt / "transformer").glob("*.safetensors"))
+    if not weights or not all(w.is_file() for w in weights):
+        return "its weights file is missing"
+    for w in weights:
+        problem = _safetensors_problem(w)
+        if problem:
+            return problem
+    try:  # a zip cut short fails here without reading the tensors (mmap)
+        torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 (any failure means the file cannot be used)
+        return f"{STATE_FILE} is unreadable ({type(exc).__name__})"
+    return None
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckpts = sorted(p for p in (Path(run_dir) / "checkpoints").glob("iter_*") if (p / "state.json").is_file())
-    return ckpts[-1] if ckpts else None
+    """The newest whole checkpoint of a run; a newer broken one is named on stderr and skipped."""
+    import sys
+
+    skipped = []
+    for ckpt in checkpoints_newest_first(run_dir):
+        problem = checkpoint_problem(ckpt)
+        if problem is None:
+            if skipped:
+                print(f"flowrl: checkpoint {skipped[0][0]} is damaged ({skipped[0][1]}); using {ckpt.name}, the newest "
+                      "intact one", file=sys.stderr)
+            return ckpt
+        skipped.append((ckpt.name, problem))
+    return None
 
 
 def find_checkpoint(path: str | Path, iteration: int | None = None) -> Path:
-    """A checkpoint folder, or a run directory's latest checkpoint (or the one saved after ``iteration``)."""
+    """A checkpoint folder, or a run directory's newest intact checkpoint (or the one saved after
+    ``iteration``); a damaged checkpoint is refused in one line that names the newest intact one."""
     path = Path(path)
     if (path / "checkpoints").is_dir():
         if iteration is None:
             ckpt = latest_checkpoint(path)
             if ckpt is None:
-                raise FlowRLError(f"{path}: no checkpoint under {path}/checkpoints")
+                raise FlowRLError(f"{path}: no intact checkpoint under {path}/checkpoints")
             return ckpt
         ckpt = path / "checkpoints" / f"iter_{iteration:05d}"
-        if not (ckpt / "state.json").is_file():
-            have = sorted(int(p.name[5:]) for p in (path / "checkpoints").glob("iter_*") if (p / "state.json").is_file())
+        if not ckpt.is_dir():
+            have = sorted(int(p.name[5:]) for p in checkpoints_newest_first(path))
             raise FlowRLError(f"{path}: no checkpoint at iteration {iteration}; saved: {have}")
-        return ckpt
-    if not (path / "state.json").is_file():
+    elif path.is_dir() and (path / "state.json").exists() or path.parent.name == "checkpoints":
+        ckpt = path
+    else:
         raise FlowRLError(f"{path}: neither a run directory nor a flowrl checkpoint folder")
-    return path
+    problem = checkpoint_problem(ckpt)
+    if problem:
+        intact = latest_checkpoint(ckpt.parent.parent) if ckpt.parent.name == "checkpoints" else None
+        hint = f"; the newest intact one is {intact}" if intact else ""
+        raise FlowRLError(f"{ckpt}: damaged checkpoint ({problem}){hint}")
+    return ckpt
+
+
+def config_differences(ckpt: Path, cfg, prefixes=("model.", "train.lora.")) -> list[str]:
+    """``key=saved (now current)`` for the model and LoRA settings that differ from the run that wrote ``ckpt``."""
+    import dataclasses
+
+    import yaml
+
+    saved_path = Path(ckpt).parent.parent / "config.yaml"
+    try:
+        saved = yaml.safe_load(saved_path.read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in (d or {}).items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(saved), flat(dataclasses.asdict(cfg))
+    return [f"{k}={a[k]!r} (this config: {b.get(k)!r})" for k in sorted(a)
+            if k.startswith(prefixes) and k in b and a[k] != b[k]]
+
+
+def _mismatch(ckpt: Path, cfg, detail: str) -> FlowRLError:
+    diff = config_differences(ckpt, cfg) if cfg is not None else []
+    why = f"it was written with {'; '.join(diff[:3])}" if diff else detail
+    return FlowRLError(f"{ckpt}: its weights do not fit this model; {why}")
 
 
 def checkpoint_is_lora(ckpt_dir: Path) -> bool:
     return bool(json.loads((Path(ckpt_dir) / "state.json").read_text()).get("lora", True))
 
 
-def load_full_into(transformer, ckpt_dir: Path) -> None:
+def load_full_into(transformer, ckpt_dir: Path, cfg=None) -> None:
     """Full fine-tuning weights (safetensors from ``save_pretrained``) into a transformer of the same config."""
     files = sorted((Path(ckpt_dir) / "transformer").glob("*.safetensors"))
     if not files:
-        raise FlowRLError(f"{ckpt_dir}: no transformer weights (transformer/*.safetensors)")
+        raise FlowRLError(f"{ckpt_dir}: no transformer weights (transformer/*.safetensors); is it a LoRA checkpoint?")
     sd = {}
     for f in files:
         sd.update(load_file(str(f)))
-    missing, unexpected = transformer.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise FlowRLError(f"{ckpt_dir}: weights do not match this transformer (missing {list(missing)[:3]}, "
-                          f"unexpected {list(unexpected)[:3]}); use the run's own config.yaml")
+    own = transformer.state_dict()
+    wrong = [k for k in sd if k in own and own[k].shape != sd[k].shape]
+    missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
+    if wrong or missing or unexpected:
+        first = (wrong or missing or unexpected)[0]
+        raise _mismatch(ckpt_dir, cfg, f"first differing tensor {first}")
+    transformer.load_state_dict(sd)
 
 
-def load_lora_into(transformer, ckpt_dir: Path) -> None:
-    """Load a diffusers-format LoRA file into a transformer that already has the same adapter config."""
-    from peft.utils import set_peft_model_state_dict
+def load_lora_into(transformer, ckpt_dir: Path, cfg=None) -> None:
+    """Load a diffusers-format LoRA file into a transformer that already has the same adapter config; every
+    LoRA tensor of the model must come from the file, with its shape."""
+    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
     path = Path(ckpt_dir) / LORA_FILE
     if not path.is_file():
-        raise FlowRLError(f"{ckpt_dir}: no {LORA_FILE}; is this a flowrl LoRA checkpoint?")
+        raise FlowRLError(f"{ckpt_dir}: no {LORA_FILE}; is this a full fine-tuning checkpoint?")
     try:
         sd = load_file(str(path))
     except Exception as exc:
         raise FlowRLError(f"{path}: unreadable safetensors file ({exc})") from exc
     sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
-    result = set_peft_model_state_dict(transformer, sd)
-    unexpected = getattr(result, "unexpected_keys", None) or []
-    if unexpected:
-        raise FlowRLError(f"{path}: keys do not match this model's LoRA (first: {unexpected[:3]}); check train.lora "
-                          "rank/targets match the run that wrote it")
+    own = get_peft_model_state_dict(transformer)
+    wrong = [k for k in sd if k in own and own[k].shape != sd[k].shape]
+    if wrong or set(own) != set(sd):
+        first = (wrong or sorted(set(own) ^ set(sd)))[0]
+        raise _mismatch(ckpt_dir, cfg, f"first differing LoRA tensor {first}; check train.lora rank and targets")
+    set_peft_model_state_dict(transformer, sd)
 
 
 def load_trainer_state(ckpt_dir: Path) -> dict:

@@ -65,13 +65,14 @@ def _load_checkpoint_into(adapter, cfg, ckpt: Path) -> None:
 
     if checkpoint_is_lora(ckpt):
         add_lora(adapter.transformer, cfg.train.lora, adapter.lora_targets)
-        load_lora_into(adapter.transformer, ckpt)
+        load_lora_into(adapter.transformer, ckpt, cfg)
     else:
-        load_full_into(adapter.transformer, ckpt)
+        load_full_into(adapter.transformer, ckpt, cfg)
 
 
 def cmd_sample(args) -> int:
     from .models import load_adapter
+    from .rundir import check_writable
     from .report import save_grid, side_by_side
     from .sampling import Sampler, resolve_device
 
@@ -89,6 +90,7 @@ def cmd_sample(args) -> int:
     out = Path(args.out)
     if out.exists() and not args.overwrite:
         raise FlowRLError(f"--out {out} exists; choose another path or pass --overwrite")
+    check_writable(out, "--out")
     adapter = load_adapter(cfg.model, resolve_device(cfg.device))
     base = Sampler(cfg, adapter, num_steps=args.steps)(prompts, seeds)
     images, title = base, "base model"
@@ -146,6 +148,9 @@ def cmd_eval(args) -> int:
     ckpt, cfg = _checkpoint_and_config(args, Path("tiny_shapes_flow_grpo.yaml"))
     table_mode = bool(args.prompts or args.reward)
     if table_mode:  # everything that can fail on bad input before any sampling
+        from .rundir import check_writable
+
+        check_writable(Path(args.csv), "--csv")
         from .config import RewardSpec
         from .prompts import prompt_set, read_prompt_file
         from .rewards import build_reward_set
@@ -231,12 +236,29 @@ def cmd_serve_reward(args) -> int:
         raise FlowRLError(f"--args must be a JSON object such as '{{\"scale\": 26}}' ({exc.msg})") from exc
     if not isinstance(reward_args, dict):
         raise FlowRLError("--args must be a JSON object")
-    serve(args.name, reward_args, args.host, args.port)
+    serve(args.name, reward_args, args.host, args.port, max_body_mb=args.max_mb)
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad command-line arguments end in one line, like every other flowrl error."""
+
+    def error(self, message):
+        self.exit(2, f"flowrl: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flowrl", description="GRPO fine-tuning of flow-matching models.")
+    p = _Parser(prog="flowrl", description="GRPO fine-tuning of flow-matching models.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="fine-tune with a config file and key.sub=value overrides")
     t.add_argument("config", nargs="?", help="YAML config (defaults: the tiny model, JPEG reward)")
@@ -260,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--x", default="iteration", choices=["iteration", "nfe", "rollouts", "time"])
     c.add_argument("--metric", default="reward_mean/total",
                    help="a logged metric, or heldout/all / heldout/reward (the log.eval_every curve)")
-    c.add_argument("--smoothing", type=int, default=1)
+    c.add_argument("--smoothing", type=_positive_int, default=1, help="moving-average window in points (>= 1)")
     c.add_argument("--out", default="compare")
     c.set_defaults(func=cmd_compare)
     b = sub.add_parser("bench", help="time one iteration; rollout batched vs max_batch=1; several configs side by "
@@ -304,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("--args", help="the reward's keyword arguments as a JSON object")
     sr.add_argument("--host", default="127.0.0.1")
     sr.add_argument("--port", type=int, default=8765, help="0 picks a free port (printed on the first line)")
+    sr.add_argument("--max-mb", type=float, default=64.0, help="largest request body accepted, in MiB")
     sr.set_defaults(func=cmd_serve_reward)
 
     pc = sub.add_parser("pretrain-tiny-clip", help="train the tiny shapes CLIP (open_clip architecture) on the CPU")
@@ -326,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except FlowRLError as exc:
-        print(f"flowrl: error: {exc}", file=sys.stderr)
-        return 2
+        kind = "stopped" if getattr(exc, "exit_code", 2) != 2 else "error"
+        print(f"flowrl: {kind}: {exc}", file=sys.stderr)
+        return getattr(exc, "exit_code", 2)
     except KeyboardInterrupt:
         print("flowrl: interrupted", file=sys.stderr)
         return 130

@@ -11,3 +11,13 @@ class ConfigError(FlowRLError):
 
 class RewardError(FlowRLError):
     """A reward cannot be computed (wrong shape, out-of-domain prompt, missing weights)."""
+
+
+class RewardServerError(FlowRLError):
+    """The reward server cannot start (a busy port, a bad address)."""
+
+
+class Stopped(FlowRLError):
+    """Training stopped by SIGTERM after saving a checkpoint; the CLI exits with 128 + 15."""
+
+    exit_code = 143

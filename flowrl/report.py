@@ -30,29 +30,43 @@ def write_csv(path: Path, rows: list[dict], fieldnames: list[str] | None = None)
 
 
 def append_metrics(path: Path, row: dict) -> None:
+    """One row, flushed to disk before returning (a crash loses at most the row being written)."""
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(row, sort_keys=False) + "\n")
         fh.flush()
+        os.fsync(fh.fileno())
 
 
-def read_metrics(path: Path) -> list[dict]:
+def read_metrics(path: Path, warn: bool = True) -> list[dict]:
+    """Every readable row; a damaged line (cut by a crash, edited by hand) is skipped and named on stderr,
+    and the rows after it are kept."""
+    import sys
+
     path = Path(path)
     if not path.is_file():
         return []
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
-                break  # a line cut by a crash ends the readable part
+                row = None
+            if isinstance(row, dict):
+                rows.append(row)
+            elif warn:
+                print(f"flowrl: warning: {path}:{n} is not a metrics row; skipped", file=sys.stderr)
     return rows
 
 
-def truncate_metrics(path: Path, before_iteration: int) -> None:
-    """Keep only rows of iterations < ``before_iteration`` (used on resume)."""
-    rows = [r for r in read_metrics(path) if r.get("iteration", 0) < before_iteration]
-    atomic_write_bytes(Path(path), "".join(json.dumps(r) + "\n" for r in rows).encode())
+def truncate_metrics(path: Path, before_iteration: int) -> list[dict]:
+    """Keep only rows of iterations < ``before_iteration`` (used on resume); returns the rows removed."""
+    if not Path(path).is_file():
+        return []
+    rows = read_metrics(path)
+    keep = [r for r in rows if r.get("iteration", 0) < before_iteration]
+    atomic_write_bytes(Path(path), "".join(json.dumps(r) + "\n" for r in keep).encode())
+    return [r for r in rows if r.get("iteration", 0) >= before_iteration]
 
 
 def _savefig(fig, path: Path) -> None:

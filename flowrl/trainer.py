@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import math
 import random
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,12 +29,13 @@ from .checkpoint import (
     load_trainer_state,
     save_checkpoint,
 )
-from .config import Config, save_config
+from .config import Config
 from .engine import Tree, kernel_options, rollout
-from .errors import ConfigError, FlowRLError
+from .errors import ConfigError, FlowRLError, Stopped
 from .losses import gaussian_kl_same_std, kl_std, ppo_clip_loss
 from .models import load_adapter
 from .policy import Policy
+from .rundir import RunFolder
 from .prompts import DEFAULT_TINY_PROMPTS, PromptSource
 from .registry import EVALUATORS, resolve
 from .rewards import build_reward_set
@@ -45,15 +49,22 @@ class Trainer:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.train.seed)
-        # --- everything that can fail on bad input happens before the run directory exists
+        # --- everything that can fail on bad input happens before a model loads or the run folder is touched
         self.prompts = PromptSource.from_config(cfg.data, cfg.train.seed, DEFAULT_TINY_PROMPTS
                                                 if cfg.model.pretrained in (None, "", "tiny") else None)
         self.rewards = build_reward_set(cfg.rewards)
         self.evaluator = resolve(EVALUATORS, cfg.log.eval, "log.eval")() if cfg.log.eval != "none" else None
         self.algorithm = make_algorithm(cfg)
-        resume_dir = self._find_resume(cfg, run_dir) if cfg.resume else None
-        if resume_dir is not None:
-            run_dir = resume_dir.parent.parent
+        resume_ckpt = self._find_resume(cfg, run_dir) if cfg.resume else None
+        self.start_iteration = 0
+        if resume_ckpt is not None:
+            self.start_iteration = int(json.loads((resume_ckpt / "state.json").read_text())["iteration"]) + 1
+            if cfg.train.iterations <= self.start_iteration:
+                raise ConfigError(f"resume: {resume_ckpt} ends at iteration {self.start_iteration} and "
+                                  f"train.iterations={cfg.train.iterations}; raise train.iterations to continue the run")
+        self.folder = RunFolder.plan(cfg, config_name, run_dir, resume_ckpt)
+        self.run_dir, self.metrics_path, self.curve_path = self.folder.path, self.folder.metrics, self.folder.curve
+        # --- the model and the policy
         self.adapter = load_adapter(cfg.model, self.device)
         self.latent_shape = self.adapter.latent_shape(cfg.model.resolution)
         self.policy = Policy(cfg, self.adapter, self.device)
@@ -63,34 +74,15 @@ class Trainer:
         if cfg.sampler.guidance_scale > 1.0:
             self.negative = self.adapter.encode_prompts([cfg.sampler.negative_prompt])
         self.context = AlgorithmContext(self.prompts, self.rewards, self._sample_on_rollout_grid)
-        self.start_iteration = 0
-        if resume_dir is not None:
-            self._load(resume_dir)
-        self.run_dir = self._open_run_dir(run_dir, config_name, resumed=resume_dir is not None)
+        if resume_ckpt is not None:
+            self._load(resume_ckpt)
+        self.folder.open(cfg, self.start_iteration if resume_ckpt is not None else None,
+                         self.accelerator if cfg.log.trackers else None)
         self._cumulative = {"nfe_rollout_cum": 0, "rollouts_cum": 0, "seconds_cum": 0.0}
         rows = report.read_metrics(self.metrics_path)
         if rows:
             self._cumulative = {k: rows[-1].get(k, 0) for k in self._cumulative}
-
-    def _open_run_dir(self, run_dir, config_name: str, resumed: bool) -> Path:
-        cfg = self.cfg
-        if run_dir is None:
-            name = cfg.log.run_name or f"{config_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-            run_dir = Path(cfg.log.output_dir) / name
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
-        self.metrics_path = run_dir / "metrics.jsonl"
-        self.curve_path = run_dir / "eval_curve.jsonl"  # curve rows count iterations done (0 = before)
-        if resumed:
-            report.truncate_metrics(self.metrics_path, self.start_iteration)
-            report.truncate_metrics(self.curve_path, self.start_iteration + 1)
-        else:
-            self.metrics_path.unlink(missing_ok=True)
-            self.curve_path.unlink(missing_ok=True)
-        if cfg.log.trackers:
-            self.accelerator.init_trackers(run_dir.name)
-        return run_dir
+        self._stop_signal = None
 
     def _sample_on_rollout_grid(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
         return sample_images(self.adapter, prompts, seeds, self.sigmas, self.latent_shape,
@@ -105,7 +97,7 @@ class Trainer:
                 raise ConfigError("resume=latest needs log.run_name (the run to continue)")
             ckpt = latest_checkpoint(base)
             if ckpt is None:
-                raise ConfigError(f"resume=latest: no checkpoint under {base}/checkpoints")
+                raise ConfigError(f"resume=latest: no intact checkpoint under {base}/checkpoints")
             return ckpt
         try:
             return find_checkpoint(cfg.resume)
@@ -113,13 +105,33 @@ class Trainer:
             raise ConfigError(f"resume: {exc}") from exc
 
     def _load(self, ckpt: Path) -> None:
-        (load_lora_into if self.cfg.train.lora.enabled else load_full_into)(self.policy.module, ckpt)
+        (load_lora_into if self.cfg.train.lora.enabled else load_full_into)(self.policy.module, ckpt, self.cfg)
         state = load_trainer_state(ckpt)
-        self.policy.optimizer.load_state_dict(state["optimizer"])
+        try:
+            self.policy.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise FlowRLError(f"{ckpt}: its optimizer state does not fit this model ({str(exc).splitlines()[0]}); "
+                              "resume with the run's own config.yaml") from exc
         if self.policy.ema is not None and "ema" in state:
             self.policy.ema.load_state_dict(state["ema"])
-        self.start_iteration = int(state["iteration"]) + 1
         self.algorithm.load_state_dict(json.loads((ckpt / "state.json").read_text()).get("algorithm_state", {}))
+
+    @contextmanager
+    def _sigterm_stops_after_the_iteration(self):
+        """SIGTERM (what schedulers send before killing a job) finishes the current iteration, saves a
+        checkpoint and stops; the default handler comes back afterwards."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def note(signum, frame):
+            self._stop_signal = signum
+
+        previous = signal.signal(signal.SIGTERM, note)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
     # ------------------------------------------------------------------------------------------ loop
     def train(self) -> Path:
@@ -131,16 +143,21 @@ class Trainer:
             if self.evaluator is not None:
                 self.evaluate("before")
             self.curve_point(0)
-        for it in bar:
-            row = self.iteration(it)
-            if cfg.log.eval_every and ((it + 1) % cfg.log.eval_every == 0 or it == cfg.train.iterations - 1):
-                self.curve_point(it + 1)
-            bar.set_postfix(reward=f"{row['reward_mean/total']:.4f}", kl=f"{row['approx_kl']:.1e}")
-            last = it == cfg.train.iterations - 1
-            if last or (cfg.log.sample_every and (it + 1) % cfg.log.sample_every == 0):
-                self.sample_grid(it + 1)
-            if last or (cfg.log.save_every and (it + 1) % cfg.log.save_every == 0):
-                self.save(it)
+        with self._sigterm_stops_after_the_iteration():
+            for it in bar:
+                row = self.iteration(it)
+                if cfg.log.eval_every and ((it + 1) % cfg.log.eval_every == 0 or it == cfg.train.iterations - 1):
+                    self.curve_point(it + 1)
+                bar.set_postfix(reward=f"{row['reward_mean/total']:.4f}", kl=f"{row['approx_kl']:.1e}")
+                last = it == cfg.train.iterations - 1
+                if last or (cfg.log.sample_every and (it + 1) % cfg.log.sample_every == 0):
+                    self.sample_grid(it + 1)
+                if last or self._stop_signal or (cfg.log.save_every and (it + 1) % cfg.log.save_every == 0):
+                    ckpt = self.save(it)
+                if self._stop_signal and not last:
+                    bar.close()
+                    raise Stopped(f"stopped by SIGTERM after iteration {it}; checkpoint {ckpt}; continue with "
+                                  f"resume=latest log.run_name={self.run_dir.name} log.output_dir={self.run_dir.parent}")
         report.plot_reward_curve(self.run_dir)
         if self.evaluator is not None and self.start_iteration < cfg.train.iterations:
             self.evaluate("after")

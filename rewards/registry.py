@@ -96,8 +96,18 @@ class RewardSet:
         invalid = torch.zeros(n, dtype=torch.bool)
         components = {}
         for name, weight, fn in self.items:
-            raw = fn(images, prompts, metadata)
-            scores = torch.as_tensor(raw, dtype=torch.float64).detach().cpu()
+            try:
+                raw = fn(images, prompts, metadata)
+            except RewardError:
+                raise
+            except Exception as exc:  # a user's scorer: name it, keep its message, no traceback
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise RewardError(f"reward {name!r} failed: {type(exc).__name__}: {first}"[:500]) from exc
+            try:
+                scores = torch.as_tensor(raw, dtype=torch.float64).detach().cpu()
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise RewardError(f"reward {name!r} returned {type(raw).__name__} {str(raw)[:40]!r}; it must return "
+                                  f"one number per image (a tensor, array or list of {n})") from exc
             if scores.shape != (n,):
                 raise RewardError(f"reward {name!r} returned shape {tuple(scores.shape)}; it must return one score "
                                   f"per image, shape ({n},)")
@@ -117,5 +127,12 @@ def build_reward_set(specs) -> RewardSet:
         taken = {n for n, _, _ in items}
         if label in taken:  # the same reward twice (e.g. two CLIP conventions): clip, clip_2, ...
             label = next(f"{label}_{k}" for k in range(2, len(items) + 3) if f"{label}_{k}" not in taken)
-        items.append((label, float(spec.weight), build_reward(spec.name, **dict(spec.args))))
+        try:
+            scorer = build_reward(spec.name, **dict(spec.args))
+        except RewardError:
+            raise
+        except Exception as exc:  # a user's factory that raises while building
+            raise RewardError(f"reward {spec.name!r}: building it failed: {type(exc).__name__}: "
+                              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:500]) from exc
+        items.append((label, float(spec.weight), scorer))
     return RewardSet(items)

@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from flowrl.errors import RewardError
+from flowrl.errors import RewardError, RewardServerError
 
 from .registry import build_reward, register_reward
 
@@ -45,12 +45,24 @@ def decode_request(body: bytes) -> tuple[torch.Tensor, list[str], list[dict]]:
     return images, json.loads(meta.get("prompts", "[]")), json.loads(meta.get("metadata", "[]"))
 
 
+MAX_BODY_MB = 64  # a request carries a batch of images: 64 MiB is 2,000 512 px images in fp16
+READ_TIMEOUT_S = 30.0  # a client that claims more bytes than it sends is cut off after this
+
+
 def make_server(name: str, args: dict | None = None, host: str = "127.0.0.1", port: int = 8765,
-                scorer=None) -> ThreadingHTTPServer:
-    """A ready (not yet serving) HTTP server around reward ``name``; ``port=0`` picks a free port."""
+                scorer=None, max_body_mb: float = MAX_BODY_MB, timeout: float = READ_TIMEOUT_S) -> ThreadingHTTPServer:
+    """A ready (not yet serving) HTTP server around reward ``name``; ``port=0`` picks a free port. Requests are
+    bounded: a body over ``max_body_mb`` or a Content-Length that is missing, negative or not a number gets a
+    4xx at once, and a client that stalls mid-body is dropped after ``timeout`` seconds."""
     scorer = scorer or build_reward(name, **(args or {}))
+    limit = int(max_body_mb * 2**20)
 
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"  # one request per connection: a stalled client holds one thread, briefly
+
+        def setup(self):
+            super().setup()
+            self.connection.settimeout(timeout)
         def _reply(self, status: int, obj: dict) -> None:
             data = json.dumps(obj).encode()
             self.send_response(status)
@@ -70,7 +82,26 @@ def make_server(name: str, args: dict | None = None, host: str = "127.0.0.1", po
                 self._reply(404, {"error": f"unknown path {self.path}; use POST /score"})
                 return
             try:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                size = int(self.headers.get("Content-Length", ""))
+            except ValueError:
+                self._reply(411, {"error": "send a Content-Length header with the body size in bytes"})
+                return
+            if size < 0:
+                self._reply(400, {"error": f"Content-Length {size} is negative"})
+                return
+            if size > limit:
+                self._reply(413, {"error": f"body of {size} bytes is over the server's {limit} byte limit "
+                                           "(serve-reward --max-mb); send smaller batches"})
+                return
+            try:
+                body = self.rfile.read(size)
+            except OSError:  # timed out: the client sent less than it announced
+                self.close_connection = True
+                return
+            if len(body) < size:
+                self._reply(400, {"error": f"body ended after {len(body)} of {size} bytes"})
+                return
+            try:
                 images, prompts, metadata = decode_request(body)
             except Exception as exc:
                 self._reply(400, {"error": f"bad request body ({exc}); send safetensors with an 'images' tensor"})
@@ -85,11 +116,19 @@ def make_server(name: str, args: dict | None = None, host: str = "127.0.0.1", po
         def log_message(self, fmt, *a):  # quiet: one line per request would flood the trainer's terminal
             pass
 
-    return ThreadingHTTPServer((host, port), Handler)
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as exc:
+        why = "the port is in use" if exc.errno in (98, 48) else exc.strerror or str(exc)
+        raise RewardServerError(f"cannot serve on {host}:{port}: {why}; choose another --port (0 picks a free "
+                                "one) or stop the process holding it") from exc
+    server.daemon_threads = True
+    return server
 
 
-def serve(name: str, args: dict | None = None, host: str = "127.0.0.1", port: int = 8765) -> None:
-    server = make_server(name, args, host, port)
+def serve(name: str, args: dict | None = None, host: str = "127.0.0.1", port: int = 8765,
+          max_body_mb: float = MAX_BODY_MB) -> None:
+    server = make_server(name, args, host, port, max_body_mb=max_body_mb)
     print(f"serving reward {name!r} on http://{host}:{server.server_address[1]}", flush=True)
     try:
         server.serve_forever()

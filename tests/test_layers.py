@@ -20,7 +20,7 @@ LAYERS = [
     ("cli", ["flowrl.cli"]),
     ("shapes demo (leaf)", ["flowrl.shapes", "flowrl.shapes.*"]),
     ("eval / bench", ["flowrl.evaluate", "flowrl.bench"]),
-    ("train", ["flowrl.trainer", "flowrl.policy", "flowrl.checkpoint"]),
+    ("train", ["flowrl.trainer", "flowrl.policy", "flowrl.checkpoint", "flowrl.rundir"]),
     ("algorithms", ["flowrl.algorithms", "flowrl.algorithms.*"]),
     ("loss / advantages", ["flowrl.advantages", "flowrl.losses", "flowrl.trees", "flowrl.chunks", "flowrl.trackers"]),
     ("rewards / rollout / prompts", ["flowrl.rewards", "flowrl.rewards.*", "flowrl.engine", "flowrl.sampling",

@@ -1,0 +1,99 @@
+"""A run's folder, owned by one run: a new run never reuses a folder that holds another run's metrics or
+checkpoints, a resume moves what it abandons aside instead of deleting or mixing it, and every location is
+checked writable before a model is loaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from . import report
+from .config import save_config
+from .errors import ConfigError
+
+ABANDONED = "abandoned"
+
+
+def check_writable(path: Path, key: str) -> None:
+    """``path`` (a folder to create or a file to write) can be written: its nearest existing ancestor is a
+    writable folder. Raises one line naming the config key or option."""
+    probe = Path(path).resolve()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{key}: {probe} is a file, not a folder; choose another location")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: cannot write in {probe} (permission denied); choose a writable location")
+
+
+class RunFolder:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.metrics = self.path / "metrics.jsonl"
+        self.curve = self.path / "eval_curve.jsonl"  # curve rows count iterations done (0 = before)
+
+    @classmethod
+    def plan(cls, cfg, config_name: str, run_dir=None, resume_ckpt: Path | None = None) -> "RunFolder":
+        """Where the run goes, checked before any work: not another run's folder (unless resuming it), writable."""
+        if resume_ckpt is not None:
+            path = resume_ckpt.parent.parent
+        elif run_dir is not None:
+            path = Path(run_dir)
+        else:
+            path = Path(cfg.log.output_dir) / (cfg.log.run_name or f"{config_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        folder = cls(path)
+        if resume_ckpt is None and folder.holds_run():
+            raise ConfigError(f"log.run_name: {path} already holds a run ({folder.describe()}); continue it with "
+                              f"resume=latest log.run_name={path.name}, or choose another log.run_name")
+        check_writable(path, "log.output_dir")
+        return folder
+
+    def checkpoints(self) -> list[Path]:
+        return sorted(p for p in (self.path / "checkpoints").glob("iter_*") if p.is_dir())
+
+    def holds_run(self) -> bool:
+        return bool(report.read_metrics(self.metrics, warn=False)) or bool(self.checkpoints())
+
+    def describe(self) -> str:
+        rows, ckpts = report.read_metrics(self.metrics, warn=False), self.checkpoints()
+        last = f", checkpoints up to {ckpts[-1].name}" if ckpts else ""
+        return f"{len(rows)} iterations logged{last}"
+
+    def open(self, cfg, resume_from: int | None, trackers) -> None:
+        """Create the folder and write the resolved config. Resuming at iteration ``resume_from``: later
+        checkpoints and metrics rows belong to an abandoned continuation and are moved to ``abandoned-<time>``."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        if resume_from is None:
+            self.metrics.unlink(missing_ok=True)  # holds no rows (plan() checked); a run starts it fresh
+            self.curve.unlink(missing_ok=True)
+        else:
+            self._abandon_after(resume_from)
+        tmp = self.path / ".config.yaml.tmp"
+        save_config(cfg, tmp)
+        os.replace(tmp, self.path / "config.yaml")
+        if trackers:
+            trackers.init_trackers(self.path.name)
+
+    def _abandon_after(self, start: int) -> None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        moved = []
+        later = [p for p in self.checkpoints() if int(p.name[5:]) >= start]
+        if later:
+            dest = self.path / "checkpoints" / f"{ABANDONED}-{stamp}"
+            dest.mkdir(parents=True, exist_ok=True)
+            for p in later:
+                shutil.move(str(p), dest / p.name)
+            moved.append(f"{len(later)} later checkpoint(s) to {dest}")
+        for path, first_dropped in ((self.metrics, start), (self.curve, start + 1)):
+            dropped = report.truncate_metrics(path, first_dropped)
+            if dropped:
+                keep = path.with_name(f"{path.stem}.{ABANDONED}-{stamp}.jsonl")
+                report.atomic_write_bytes(keep, "".join(json.dumps(r) + "\n" for r in dropped).encode())
+                moved.append(f"{len(dropped)} later row(s) of {path.name} to {keep.name}")
+        if moved:
+            print(f"flowrl: resuming at iteration {start}; moved aside what came after it: {'; '.join(moved)}",
+                  file=sys.stderr)
