@@ -99,7 +99,7 @@ def checkpoint_problem(ckpt: Path) -> str | None:
     return None
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def latest_checkpoint(run_dir: Path, quiet: bool = False) -> Path | None:
     """The newest whole checkpoint of a run; a newer broken one is named on stderr and skipped."""
     import sys
 
@@ -107,7 +107,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     for ckpt in checkpoints_newest_first(run_dir):
         problem = checkpoint_problem(ckpt)
         if problem is None:
-            if skipped:
+            if skipped and not quiet:
                 print(f"flowrl: checkpoint {skipped[0][0]} is damaged ({skipped[0][1]}); using {ckpt.name}, the newest "
                       "intact one", file=sys.stderr)
             return ckpt
@@ -135,7 +135,7 @@ def find_checkpoint(path: str | Path, iteration: int | None = None) -> Path:
         raise FlowRLError(f"{path}: neither a run directory nor a flowrl checkpoint folder")
     problem = checkpoint_problem(ckpt)
     if problem:
-        intact = latest_checkpoint(ckpt.parent.parent) if ckpt.parent.name == "checkpoints" else None
+        intact = latest_checkpoint(ckpt.parent.parent, quiet=True) if ckpt.parent.name == "checkpoints" else None
         hint = f"; the newest intact one is {intact}" if intact else ""
         raise FlowRLError(f"{ckpt}: damaged checkpoint ({problem}){hint}")
     return ckpt

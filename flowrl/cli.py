@@ -341,7 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or a bad argument already reported in one line
+        return exc.code if isinstance(exc.code, int) else 2
     # a config path that looks like an override belongs to the overrides
     if getattr(args, "config", None) and "=" in args.config and not os.path.exists(args.config):
         args.overrides = [args.config] + list(args.overrides)

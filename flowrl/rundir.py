@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,8 +27,11 @@ def check_writable(path: Path, key: str) -> None:
         probe = probe.parent
     if not probe.is_dir():
         raise ConfigError(f"{key}: {probe} is a file, not a folder; choose another location")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}: cannot write in {probe} (permission denied); choose a writable location")
+    try:  # a real write: permissions, read-only mounts and special file systems all show here (root included)
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot write in {probe} ({exc.strerror or exc}); choose a writable location") from exc
 
 
 class RunFolder:

@@ -57,3 +57,16 @@ class EveryOtherStep(FlowGRPO):
 
     def trained_steps(self, t):
         return [i % self.opts.stride == 0 for i in range(t)]
+
+
+# ---------------------------------------------------------------- user rewards that misbehave
+def raises(images, prompts, metadata):
+    raise ValueError("the scorer's model is not loaded")
+
+
+def returns_text(images, prompts, metadata):
+    return "good"
+
+
+def returns_none(images, prompts, metadata):
+    return None
