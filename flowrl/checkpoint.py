@@ -36,6 +36,22 @@ def save_checkpoint(ckpt_dir: Path, adapter, transformer, optimizer, iteration: 
     tmp = ckpt_dir.with_name(f".{ckpt_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    try:
+        _write_checkpoint(tmp, adapter, transformer, optimizer, iteration, lora, ema, extra)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
+        raise
+    if ckpt_dir.exists():
+        shutil.rmtree(ckpt_dir)
+    os.replace(tmp, ckpt_dir)
+    # keep the newest `keep` checkpoints
+    ckpts = sorted(p for p in ckpt_dir.parent.glob("iter_*") if p.is_dir())
+    for old in ckpts[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return ckpt_dir
+
+
+def _write_checkpoint(tmp: Path, adapter, transformer, optimizer, iteration: int, lora: bool, ema, extra) -> None:
     if lora:
         # the adapter metadata (rank, alpha, targets) lets diffusers rebuild the same scale alpha / r
         peft_cfg = transformer.peft_config["default"].to_dict()
@@ -48,14 +64,6 @@ def save_checkpoint(ckpt_dir: Path, adapter, transformer, optimizer, iteration: 
         state["ema"] = ema.state_dict()
     torch.save(state, tmp / STATE_FILE)
     (tmp / "state.json").write_text(json.dumps({"iteration": iteration, "lora": lora, **(extra or {})}, indent=1))
-    if ckpt_dir.exists():
-        shutil.rmtree(ckpt_dir)
-    os.replace(tmp, ckpt_dir)
-    # keep the newest `keep` checkpoints
-    ckpts = sorted(p for p in ckpt_dir.parent.glob("iter_*") if p.is_dir())
-    for old in ckpts[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return ckpt_dir
 
 
 def checkpoints_newest_first(run_dir: Path) -> list[Path]:

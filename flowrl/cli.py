@@ -358,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("flowrl: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # a disk that fills up or a folder that disappears mid-run: one line, not a traceback
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"flowrl: error: cannot write or read{where}: {exc.strerror or exc}; free space or choose another "
+              "location (files written before this are complete: flowrl writes to a temporary name, then renames)",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 to change (exit status 2, or 143 for SIGTERM), before work starts where that can be known, and no run's data
 is lost: earlier checkpoints and metrics stay intact, and what a resume abandons is moved aside."""
 
-import json
 import os
 import shutil
 import signal
@@ -327,3 +326,17 @@ def test_the_reward_server_survives_abuse(capsys):
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_a_write_that_fails_mid_run_is_one_line(tmp_path, capsys, monkeypatch):
+    """A disk that fills up while a checkpoint is written: one line, and no half-written checkpoint in place."""
+    import flowrl.checkpoint as ckpt_module
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(tmp_path / "runs" / "x" / "checkpoints"))
+
+    monkeypatch.setattr(ckpt_module.torch, "save", full_disk)
+    code, err = train(capsys, tmp_path / "runs", "x", "train.iterations=1")
+    assert code == 2
+    one_line(err, "No space left on device; free space or choose another location")
+    assert not list((tmp_path / "runs" / "x" / "checkpoints").glob("*iter_*"))  # nor a temporary one
