@@ -51,13 +51,14 @@ class TinyModelConfig:
 
 @dataclass
 class ModelConfig:
-    family: str = opt("sd3", choices=["sd3"])
+    family: str = opt("sd3", "model family: sd3 (SD3 / SD3.5) or flux (FLUX.1 dev / schnell)", choices=["sd3", "flux"])
     pretrained: Optional[str] = opt("tiny", "'tiny' (random init), 'tiny-shapes' (the shipped pretrained model), a "
                                     "preset (sd3.5-medium, sd3.5-large), a hub id or a local diffusers folder")
     dtype: str = opt("fp32", "weights dtype of the transformer", choices=["fp32", "bf16", "fp16"])
     resolution: int = opt(16, "image resolution in pixels", lo=8)
     use_t5: bool = opt(True, "load the T5 encoder of real SD3 checkpoints")
-    max_sequence_length: int = opt(256, "T5 tokens (real checkpoints only)", lo=0, hi=512)
+    max_sequence_length: int = opt(256, "T5 tokens (real checkpoints only; FLUX.1-dev uses 512)", lo=0, hi=512)
+    guidance: float = opt(3.5, "FLUX.1-dev's distilled guidance embedding (ignored by models without one)", lo=0.0)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
@@ -487,7 +488,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}: list at least one seed, e.g. [0, 1, 2, 3]")
     m = cfg.model
     tiny = m.pretrained in (None, "", "tiny")
-    factor = m.tiny.patch_size * (2 if m.tiny.vae else 1) if tiny else 16  # SD3: VAE 8 x patch 2
+    if m.family == "flux":  # VAE (tiny: 2, real: 8) x 2x2 packing
+        factor = 4 if tiny else 16
+    else:
+        factor = m.tiny.patch_size * (2 if m.tiny.vae else 1) if tiny else 16  # SD3: VAE 8 x patch 2
     if m.resolution % factor:
         lo = m.resolution - m.resolution % factor
         raise ConfigError(f"model.resolution: {m.resolution} px is not a multiple of {factor} (the latent patch "

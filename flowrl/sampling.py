@@ -28,10 +28,12 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def sigmas_for(cfg, adapter, num_steps: int) -> torch.Tensor:
-    """The (num_steps + 1,) sigma grid for ``cfg.sampler.schedule`` and the adapter's scheduler config."""
+    """The (num_steps + 1,) sigma grid: the family pipeline's own (``diffusers``), or a static / dynamic shift."""
     s = cfg.sampler
-    mu = None
+    if s.schedule == "diffusers":
+        return adapter.default_sigmas(num_steps, cfg.model.resolution)
     sched_cfg = adapter.scheduler_config
+    mu = None
     if s.schedule == "dynamic_shift" or sched_cfg.get("use_dynamic_shifting", False):
         seq = adapter.image_seq_len(cfg.model.resolution)
         mu = dynamic_shift_mu(seq, sched_cfg.get("base_image_seq_len", 256), sched_cfg.get("max_image_seq_len", 4096),

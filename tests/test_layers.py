@@ -25,8 +25,8 @@ LAYERS = [
     ("loss / advantages", ["flowrl.advantages", "flowrl.losses", "flowrl.trees", "flowrl.chunks", "flowrl.trackers"]),
     ("rewards / rollout / prompts", ["flowrl.rewards", "flowrl.rewards.*", "flowrl.engine", "flowrl.sampling",
                                      "flowrl.prompts"]),
+    ("models", ["flowrl.models", "flowrl.models.*"]),  # an adapter knows its pipeline's sigma schedule
     ("plan / kernels", ["flowrl.samplers", "flowrl.samplers.*"]),
-    ("models", ["flowrl.models", "flowrl.models.*"]),
     ("config / errors / io", ["flowrl", "flowrl.config", "flowrl.errors", "flowrl.registry", "flowrl.resources",
                               "flowrl.tokenizer", "flowrl.report"]),
 ]

@@ -3,9 +3,11 @@ cache, velocity with CFG for a batch of mixed sigmas, latent shape, decoding, Lo
 weight saving. Tiny offline models and the shipped tiny-shapes model: :mod:`flowrl.models.tiny`."""
 
 from .base import ModelAdapter
-from .sd3 import SD3_LORA_TARGETS, SD3_PRESETS, PromptEmbeds, SD3Adapter
+from .common import PromptEmbeds
+from .flux import FluxAdapter
+from .sd3 import SD3_LORA_TARGETS, SD3_PRESETS, SD3Adapter
 
-ADAPTERS = {"sd3": SD3Adapter}
+ADAPTERS = {"sd3": SD3Adapter, "flux": FluxAdapter}
 
 
 def load_adapter(model_cfg, device="cpu") -> ModelAdapter:
@@ -13,4 +15,4 @@ def load_adapter(model_cfg, device="cpu") -> ModelAdapter:
     return ADAPTERS[model_cfg.family].from_config(model_cfg, device)
 
 
-__all__ = ["ADAPTERS", "ModelAdapter", "PromptEmbeds", "SD3Adapter", "SD3_LORA_TARGETS", "SD3_PRESETS", "load_adapter"]
+__all__ = ["ADAPTERS", "FluxAdapter", "ModelAdapter", "PromptEmbeds", "SD3Adapter", "SD3_LORA_TARGETS", "SD3_PRESETS", "load_adapter"]

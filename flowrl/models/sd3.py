@@ -7,13 +7,12 @@ decodes latents to images in [0, 1].
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..errors import ConfigError
+from .common import DTYPES, PipelineAdapter, load_pipeline
 
 SD3_PRESETS = {
     "sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
@@ -27,49 +26,21 @@ SD3_LORA_TARGETS = [
 ]
 
 
-@dataclass
-class PromptEmbeds:
-    embeds: torch.Tensor  # (N, L, D) joint text tokens
-    pooled: torch.Tensor  # (N, P) pooled projections
-
-    def index(self, idx: torch.Tensor) -> "PromptEmbeds":
-        return PromptEmbeds(self.embeds[idx], self.pooled[idx])
-
-
 def load_sd3_pipeline(name_or_path: str, dtype: torch.dtype, allow_t5: bool = True):
     """Load a diffusers SD3 checkpoint by hub id or local path (downloads only if the hub is reachable)."""
     from diffusers import StableDiffusion3Pipeline
 
-    source = SD3_PRESETS.get(name_or_path, name_or_path)
     kwargs = {} if allow_t5 else {"text_encoder_3": None, "tokenizer_3": None}
-    try:
-        return StableDiffusion3Pipeline.from_pretrained(source, torch_dtype=dtype, **kwargs)
-    except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"model.pretrained: cannot load SD3 pipeline {source!r} ({first}); give a local diffusers "
-                          "folder or a hub id reachable from this machine") from exc
+    return load_pipeline(StableDiffusion3Pipeline, SD3_PRESETS.get(name_or_path, name_or_path), dtype, "SD3", **kwargs)
 
 
-class SD3Adapter:
+class SD3Adapter(PipelineAdapter):
     """The :class:`flowrl.models.base.ModelAdapter` of SD3 / SD3.5."""
 
     family = "sd3"
-
-    def __init__(self, pipe, max_sequence_length: int = 256, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32):
-        self.pipe = pipe
-        self.transformer = pipe.transformer
-        self.vae = pipe.vae
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.max_sequence_length = max_sequence_length
-        self._cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.pipe.to(self.device)
-        for module in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.vae):
-            if module is not None:
-                module.requires_grad_(False).eval()
-        if self.transformer.dtype != dtype:
-            self.transformer.to(dtype=dtype)
+    pipeline_class_name = "StableDiffusion3Pipeline"
+    lora_targets = SD3_LORA_TARGETS
+    text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -77,7 +48,7 @@ class SD3Adapter:
         from ..registry import MODEL_NAMES, resolve
         from .tiny import build_tiny_sd3_pipeline
 
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[model_cfg.dtype]
+        dtype = DTYPES[model_cfg.dtype]
         name = model_cfg.pretrained
         if name in (None, "", "tiny"):
             pipe = build_tiny_sd3_pipeline(model_cfg.tiny, seed=model_cfg.tiny.init_seed)
@@ -96,98 +67,27 @@ class SD3Adapter:
             max_seq = model_cfg.max_sequence_length if model_cfg.use_t5 else 0
         return cls(pipe, max_sequence_length=max_seq, device=device, dtype=dtype)
 
-    @property
-    def scheduler_config(self) -> dict:
-        return dict(self.pipe.scheduler.config)
-
     # ---------------------------------------------------------------- geometry
-    @property
-    def pixel_space(self) -> bool:
-        return self.vae is None
-
     def latent_shape(self, resolution: int) -> tuple[int, int, int]:
-        cfg = self.transformer.config
-        factor = 1 if self.pixel_space else 2 ** (len(self.vae.config.block_out_channels) - 1)
-        return (cfg.in_channels, resolution // factor, resolution // factor)
+        factor = self.vae_factor()
+        return (self.transformer.config.in_channels, resolution // factor, resolution // factor)
 
     def image_seq_len(self, resolution: int) -> int:
         _, h, w = self.latent_shape(resolution)
         p = self.transformer.config.patch_size
         return (h // p) * (w // p)
 
-    # ---------------------------------------------------------------- text
-    @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
-        """Embeddings for each prompt, computed once per distinct string and cached."""
-        # One prompt per call: batched matmuls can round differently with batch composition, and a prompt's
-        # embedding must not depend on which other prompts happened to be encoded with it (exact resume).
-        for p in sorted({p for p in prompts if p not in self._cache}):
-            embeds, _, pooled, _ = self.pipe.encode_prompt(
-                prompt=[p], prompt_2=[p], prompt_3=[p], device=self.device,
-                do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length,
-            )
-            self._cache[p] = (embeds[0].float(), pooled[0].float())
-        return PromptEmbeds(torch.stack([self._cache[p][0] for p in prompts]),
-                            torch.stack([self._cache[p][1] for p in prompts]))
+    # ---------------------------------------------------------------- text and velocity
+    def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=[prompt], prompt_2=[prompt], prompt_3=[prompt], device=self.device,
+            do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length,
+        )
+        return embeds[0], pooled[0]
 
-    # ---------------------------------------------------------------- velocity
-    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds, guidance_scale: float = 1.0,
-                 negative: PromptEmbeds | None = None) -> torch.Tensor:
-        """v(x, sigma | prompt) for a batch; x (B, C, H, W) fp32, sigma (B,), cond rows aligned with x.
-
-        With ``guidance_scale > 1`` and a negative embedding the batch is doubled ``[neg; pos]`` and
-        ``v = v_neg + g (v_pos - v_neg)``. Returns fp32 (B, C, H, W).
-        """
-        b = x.shape[0]
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(b)
+    def _forward(self, x, sigma, embeds, pooled):
         timestep = sigma * 1000.0  # diffusers' SD3 convention: t = sigma * num_train_timesteps
-        embeds, pooled = cond.embeds, cond.pooled
-        use_cfg = guidance_scale > 1.0 and negative is not None
-        if use_cfg:
-            x_in = torch.cat([x, x])
-            timestep = torch.cat([timestep, timestep])
-            embeds = torch.cat([negative.embeds.expand_as(embeds), embeds])
-            pooled = torch.cat([negative.pooled.expand_as(pooled), pooled])
-        else:
-            x_in = x
-        out = self.transformer(
-            hidden_states=x_in.to(self.dtype), timestep=timestep.to(self.dtype),
+        return self.transformer(
+            hidden_states=x.to(self.dtype), timestep=timestep.to(self.dtype),
             encoder_hidden_states=embeds.to(self.dtype), pooled_projections=pooled.to(self.dtype), return_dict=False,
         )[0].float()
-        if use_cfg:
-            v_neg, v_pos = out.chunk(2)
-            out = v_neg + guidance_scale * (v_pos - v_neg)
-        return out
-
-    # ---------------------------------------------------------------- images
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents (B, C, h, w) -> images (B, 3, H, W) in [0, 1], fp32."""
-        if self.pixel_space:
-            return (latents.float() / 2 + 0.5).clamp(0, 1)
-        cfg = self.vae.config
-        z = latents / cfg.scaling_factor + (cfg.shift_factor or 0.0)
-        image = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
-
-    # ---------------------------------------------------------------- LoRA and weights
-    lora_targets = SD3_LORA_TARGETS
-
-    def save_lora(self, directory, layers: dict, metadata: dict) -> None:
-        """LoRA weights in diffusers' SD3 format (``StableDiffusion3Pipeline.load_lora_weights`` reads them)."""
-        from diffusers import StableDiffusion3Pipeline
-
-        StableDiffusion3Pipeline.save_lora_weights(str(directory), transformer_lora_layers=layers,
-                                                   transformer_lora_adapter_metadata=metadata)
-
-    @contextmanager
-    def reference(self):
-        """The reference policy: the same transformer with its LoRA adapters disabled."""
-        if getattr(self.transformer, "_hf_peft_config_loaded", False):
-            self.transformer.disable_adapters()
-            try:
-                yield
-            finally:
-                self.transformer.enable_adapters()
-        else:
-            raise RuntimeError("a reference policy needs LoRA (full fine-tuning keeps no frozen copy); set train.kl_beta=0")

@@ -99,3 +99,47 @@ def load_tiny_shapes_pipeline(path: str | Path | None = None):
     )
     pipe.vae_scale_factor = 1
     return pipe
+
+
+def _rope_axes(head_dim: int) -> tuple[int, int, int]:
+    """FLUX's rotary axes (text / row / column) summing to the head dim, each even: 128 -> (16, 56, 56)."""
+    first = 2 * (head_dim // 8)
+    second = 2 * ((head_dim - first) // 4)
+    return first, second, head_dim - first - second
+
+
+def build_tiny_flux_pipeline(tiny, seed: int = 0):
+    """A tiny FLUX.1-dev-architecture pipeline from configs, offline and randomly initialised: a 2x VAE with 4
+    latent channels (16 after 2x2 packing), CLIP + T5 encoders (the T5 uses the offline CLIP tokenizer; a real
+    checkpoint brings its own), the guidance embedding and FLUX's dynamic-shift scheduler."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from ..tokenizer import build_clip_tokenizer
+
+    torch.manual_seed(seed)
+    latent_channels = 4
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=4 * latent_channels, num_layers=tiny.num_layers, num_single_layers=tiny.num_layers,
+        attention_head_dim=tiny.attention_head_dim, num_attention_heads=tiny.num_attention_heads,
+        joint_attention_dim=tiny.text_hidden, pooled_projection_dim=tiny.text_hidden, guidance_embeds=True,
+        axes_dims_rope=_rope_axes(tiny.attention_head_dim),
+    )
+    clip = CLIPTextModel(CLIPTextConfig(
+        hidden_size=tiny.text_hidden, intermediate_size=4 * tiny.text_hidden, num_hidden_layers=tiny.text_layers,
+        num_attention_heads=max(tiny.text_hidden // 16, 1), max_position_embeddings=max(tiny.max_tokens, 16),
+        vocab_size=49408, bos_token_id=49406, eos_token_id=49407, pad_token_id=49407))
+    t5 = T5EncoderModel(T5Config(vocab_size=49408, d_model=tiny.text_hidden, d_kv=16, d_ff=4 * tiny.text_hidden,
+                                 num_layers=tiny.text_layers, num_heads=max(tiny.text_hidden // 16, 1),
+                                 pad_token_id=49407, eos_token_id=49407, decoder_start_token_id=49407))
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=latent_channels,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(16, 32), layers_per_block=1, norm_num_groups=8, sample_size=tiny.resolution,
+        scaling_factor=0.3611, shift_factor=0.1159,  # FLUX.1's VAE constants
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)
+    return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=build_clip_tokenizer(tiny.max_tokens),
+                        text_encoder_2=t5, tokenizer_2=build_clip_tokenizer(tiny.max_tokens), transformer=transformer)

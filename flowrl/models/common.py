@@ -1,0 +1,155 @@
+"""What every diffusers-pipeline adapter shares: frozen encoders, the per-prompt embedding cache, true CFG by
+batch doubling, VAE decoding, the LoRA-off reference policy, LoRA saving in the family's format and the
+family pipeline's own sigma schedule. A family adds its text encoding (:meth:`_encode_one`), its transformer
+call (:meth:`_forward`) and its latent geometry."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class PromptEmbeds:
+    embeds: torch.Tensor  # (N, L, D) text tokens
+    pooled: torch.Tensor  # (N, P) pooled projections
+
+    def index(self, idx: torch.Tensor) -> "PromptEmbeds":
+        return PromptEmbeds(self.embeds[idx], self.pooled[idx])
+
+
+def load_pipeline(pipeline_class, source: str, dtype: torch.dtype, family: str, **kwargs):
+    """A diffusers pipeline by hub id or local folder (downloads only where the hub is reachable)."""
+    try:
+        return pipeline_class.from_pretrained(source, torch_dtype=dtype, **kwargs)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"model.pretrained: cannot load {family} pipeline {source!r} ({first}); give a local "
+                          "diffusers folder or a hub id reachable from this machine") from exc
+
+
+class PipelineAdapter:
+    family = "base"
+    pipeline_class_name = ""  # the diffusers pipeline whose LoRA format and schedule this family uses
+    lora_targets: list[str] = []
+    text_encoder_names: tuple[str, ...] = ()
+
+    def __init__(self, pipe, max_sequence_length: int = 256, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        self.pipe = pipe
+        self.transformer = pipe.transformer
+        self.vae = pipe.vae
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_sequence_length = max_sequence_length
+        self._cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.pipe.to(self.device)
+        for name in (*self.text_encoder_names, "vae"):
+            module = getattr(pipe, name, None)
+            if module is not None:
+                module.requires_grad_(False).eval()
+        if self.transformer.dtype != dtype:
+            self.transformer.to(dtype=dtype)
+
+    # ---------------------------------------------------------------- text
+    def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embeds (L, D), pooled (P,)) of one prompt."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        """Embeddings for each prompt, computed once per distinct string and cached."""
+        # One prompt per call: batched matmuls can round differently with batch composition, and a prompt's
+        # embedding must not depend on which other prompts happened to be encoded with it (exact resume).
+        for p in sorted({p for p in prompts if p not in self._cache}):
+            embeds, pooled = self._encode_one(p)
+            self._cache[p] = (embeds.float(), pooled.float())
+        return PromptEmbeds(torch.stack([self._cache[p][0] for p in prompts]),
+                            torch.stack([self._cache[p][1] for p in prompts]))
+
+    # ---------------------------------------------------------------- velocity
+    def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """The transformer's velocity for x (B, *latent) at sigma (B,), fp32 out."""
+        raise NotImplementedError
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds, guidance_scale: float = 1.0,
+                 negative: PromptEmbeds | None = None) -> torch.Tensor:
+        """v(x, sigma | prompt) for a batch; x (B, *latent) fp32, sigma (B,), cond rows aligned with x.
+
+        With ``guidance_scale > 1`` and a negative embedding the batch is doubled ``[neg; pos]`` and
+        ``v = v_neg + g (v_pos - v_neg)`` (true CFG). Returns fp32 (B, *latent).
+        """
+        b = x.shape[0]
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(b)
+        embeds, pooled = cond.embeds, cond.pooled
+        use_cfg = guidance_scale > 1.0 and negative is not None
+        if use_cfg:
+            x = torch.cat([x, x])
+            sigma = torch.cat([sigma, sigma])
+            embeds = torch.cat([negative.embeds.expand_as(embeds), embeds])
+            pooled = torch.cat([negative.pooled.expand_as(pooled), pooled])
+        out = self._forward(x, sigma, embeds, pooled)
+        if use_cfg:
+            v_neg, v_pos = out.chunk(2)
+            out = v_neg + guidance_scale * (v_pos - v_neg)
+        return out
+
+    # ---------------------------------------------------------------- geometry and schedule
+    @property
+    def pixel_space(self) -> bool:
+        return self.vae is None
+
+    def vae_factor(self) -> int:
+        return 1 if self.pixel_space else 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    @property
+    def scheduler_config(self) -> dict:
+        return dict(self.pipe.scheduler.config)
+
+    def default_sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+        """The sigmas the family's diffusers pipeline uses (its scheduler's own grid, dynamic shift included)."""
+        from ..samplers.schedules import diffusers_sigmas, dynamic_shift_mu
+
+        c = self.scheduler_config
+        mu = None
+        if c.get("use_dynamic_shifting", False):
+            mu = dynamic_shift_mu(self.image_seq_len(resolution), c.get("base_image_seq_len", 256),
+                                  c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        return diffusers_sigmas(c, num_steps, mu)
+
+    # ---------------------------------------------------------------- images
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents (B, C, h, w) -> images (B, 3, H, W) in [0, 1], fp32."""
+        if self.pixel_space:
+            return (latents.float() / 2 + 0.5).clamp(0, 1)
+        cfg = self.vae.config
+        z = latents / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+        image = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
+
+    # ---------------------------------------------------------------- LoRA
+    def save_lora(self, directory, layers: dict, metadata: dict) -> None:
+        """LoRA weights in the family's diffusers format (its pipeline's ``load_lora_weights`` reads them)."""
+        import diffusers
+
+        getattr(diffusers, self.pipeline_class_name).save_lora_weights(
+            str(directory), transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata)
+
+    @contextmanager
+    def reference(self):
+        """The reference policy: the same transformer with its LoRA adapters disabled."""
+        if getattr(self.transformer, "_hf_peft_config_loaded", False):
+            self.transformer.disable_adapters()
+            try:
+                yield
+            finally:
+                self.transformer.enable_adapters()
+        else:
+            raise RuntimeError("a reference policy needs LoRA (full fine-tuning keeps no frozen copy); set train.kl_beta=0")

@@ -1,0 +1,116 @@
+"""FLUX.1 (dev, schnell) adapter (diffusers ``FluxTransformer2DModel``).
+
+The engine keeps FLUX latents unpacked, (C, H/8, W/8) like every image family, so plans, kernels and
+log-probs (a mean over the same elements) see nothing family-specific; :meth:`FluxAdapter._forward` packs
+2x2 patches into tokens, adds their position ids and unpacks the velocity. FLUX.1-dev's guidance is
+distilled into an embedding (``model.guidance``, 3.5), so true CFG (``sampler.guidance_scale`` > 1 with a
+negative prompt) is off by default, as in diffusers' ``FluxPipeline``; the schedule is the pipeline's
+linspace(1, 1/T, T) with the resolution-dependent shift mu.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import DTYPES, PipelineAdapter, load_pipeline
+
+FLUX_PRESETS = {
+    "flux.1-dev": "black-forest-labs/FLUX.1-dev",
+    "flux.1-schnell": "black-forest-labs/FLUX.1-schnell",
+}
+# The attention projections of the double- and single-stream blocks (DanceGRPO's FLUX LoRA targets are
+# to_k / to_q / to_v / to_out.0; the added-context projections of the double blocks join them, as for SD3).
+FLUX_LORA_TARGETS = [
+    "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
+    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+]
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) -> (B, H/2 * W/2, 4C): 2x2 patches as tokens, FluxPipeline's order."""
+    b, c, h, w = x.shape
+    return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The inverse of :func:`pack`: (B, H/2 * W/2, 4C) -> (B, C, H, W)."""
+    b, _, d = tokens.shape
+    return tokens.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
+
+
+def image_ids(h: int, w: int) -> torch.Tensor:
+    """(H/2 * W/2, 3) position ids of the packed tokens: (0, row, column)."""
+    ids = torch.zeros(h // 2, w // 2, 3)
+    ids[..., 1] = torch.arange(h // 2)[:, None]
+    ids[..., 2] = torch.arange(w // 2)[None, :]
+    return ids.reshape(-1, 3)
+
+
+class FluxAdapter(PipelineAdapter):
+    family = "flux"
+    pipeline_class_name = "FluxPipeline"
+    lora_targets = FLUX_LORA_TARGETS
+    text_encoder_names = ("text_encoder", "text_encoder_2")
+
+    def __init__(self, pipe, max_sequence_length: int = 512, device="cpu", dtype=torch.float32, guidance: float = 3.5):
+        super().__init__(pipe, max_sequence_length, device, dtype)
+        self.guidance = guidance
+
+    @classmethod
+    def from_config(cls, model_cfg, device="cpu") -> "FluxAdapter":
+        from diffusers import FluxPipeline
+
+        from .tiny import build_tiny_flux_pipeline
+
+        dtype = DTYPES[model_cfg.dtype]
+        if model_cfg.pretrained in (None, "", "tiny"):
+            pipe = build_tiny_flux_pipeline(model_cfg.tiny, seed=model_cfg.tiny.init_seed)
+            max_seq = model_cfg.tiny.max_tokens
+        else:
+            source = FLUX_PRESETS.get(model_cfg.pretrained, model_cfg.pretrained)
+            pipe = load_pipeline(FluxPipeline, source, dtype, "FLUX")
+            max_seq = model_cfg.max_sequence_length
+        return cls(pipe, max_sequence_length=max_seq, device=device, dtype=dtype, guidance=model_cfg.guidance)
+
+    # ---------------------------------------------------------------- geometry and schedule
+    def latent_shape(self, resolution: int) -> tuple[int, int, int]:
+        f = self.vae_factor()
+        return (self.transformer.config.in_channels // 4, resolution // f, resolution // f)
+
+    def image_seq_len(self, resolution: int) -> int:
+        _, h, w = self.latent_shape(resolution)
+        return (h // 2) * (w // 2)
+
+    def default_sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+        """FluxPipeline's grid: sigmas linspace(1, 1/T, T), shifted with mu from the packed token count."""
+        import numpy as np
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        from ..samplers.schedules import dynamic_shift_mu
+
+        c = self.scheduler_config
+        mu = dynamic_shift_mu(self.image_seq_len(resolution), c.get("base_image_seq_len", 256),
+                              c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        sched = FlowMatchEulerDiscreteScheduler.from_config(c)
+        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), device="cpu", mu=mu)
+        return sched.sigmas.detach().float().clone()
+
+    # ---------------------------------------------------------------- text and velocity
+    def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, pooled, _ = self.pipe.encode_prompt(prompt=[prompt], prompt_2=[prompt], device=self.device,
+                                                    max_sequence_length=self.max_sequence_length)
+        return embeds[0], pooled[0]
+
+    def _forward(self, x, sigma, embeds, pooled):
+        b, _, h, w = x.shape
+        guidance = None
+        if self.transformer.config.guidance_embeds:  # FLUX.1-dev's distilled guidance, one value per sample
+            guidance = torch.full((b,), self.guidance, device=x.device, dtype=torch.float32)
+        t = (sigma * 1000.0).to(self.dtype)  # the pipeline's scheduler timestep, which it divides by 1000
+        out = self.transformer(
+            hidden_states=pack(x).to(self.dtype), timestep=t / 1000, guidance=guidance,
+            pooled_projections=pooled.to(self.dtype), encoder_hidden_states=embeds.to(self.dtype),
+            txt_ids=torch.zeros(embeds.shape[1], 3, device=x.device, dtype=self.dtype),
+            img_ids=image_ids(h, w).to(device=x.device, dtype=self.dtype), return_dict=False,
+        )[0]
+        return unpack(out.float(), h, w)

@@ -1,0 +1,111 @@
+"""Every model family on its tiny offline model: our rollout equals diffusers' own pipeline with noise off,
+every algorithm trains one iteration with ratio == 1 on the first update, and the LoRA file a run saves loads
+with the family's diffusers pipeline and draws what our policy draws."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl.config import load_config
+from flowrl.models import load_adapter
+from flowrl.sampling import Sampler, sample_images, sigmas_for
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
+FAMILIES = {
+    "sd3": ["model.family=sd3", "model.resolution=16"],
+    "flux": ["model.family=flux", "model.resolution=32", "model.tiny.resolution=32"],
+}
+# each algorithm's own options, sized for a 4-step tiny run
+ALGORITHMS = {
+    "flow_grpo": [], "flow_grpo_fast": ["algorithm.window.size=1"], "mix_grpo": ["algorithm.window.size=2"],
+    "dance_grpo": [], "branch_grpo": ["algorithm.split_steps=[0, 1]"], "tempflow_grpo": ["algorithm.group_size=2"],
+    "e_grpo": ["algorithm.group_size=2"], "chunk_grpo": ["algorithm.sizes=[1, 2]"],
+    "superflow": ["algorithm.min_group=2", "algorithm.max_group=3"], "ada_grpo": ["algorithm.candidates=2"],
+}
+
+
+def family_cfg(family, *extra):
+    return load_config(None, [*FAMILIES[family], "log.progress=false", *extra])
+
+
+def test_flux_rollout_equals_flux_pipeline():
+    """Noise off, same weights, prompt, initial noise, sigmas and guidance: FluxPipeline's images exactly."""
+    from diffusers import FluxPipeline
+
+    from flowrl.models.flux import pack
+
+    cfg = family_cfg("flux")
+    adapter = load_adapter(cfg.model)
+    shape = adapter.latent_shape(32)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(3))[None]  # what sample_images draws for seed 3
+    sig = sigmas_for(cfg, adapter, 4)
+    ours = torch.cat([sample_images(adapter, [p], [3], sig, shape) for p in PROMPTS])
+    pipe: FluxPipeline = adapter.pipe
+    for k, p in enumerate(PROMPTS):
+        ref = pipe(prompt=[p], height=32, width=32, num_inference_steps=4, guidance_scale=3.5,
+                   latents=pack(noise), output_type="pt", max_sequence_length=16).images
+        assert torch.allclose(ours[k: k + 1], ref, atol=1e-5), (ours[k: k + 1] - ref).abs().max()
+    # true CFG (a negative prompt and a scale > 1) against the pipeline's true_cfg_scale
+    cfg = family_cfg("flux", "sampler.guidance_scale=2.0", "sampler.negative_prompt=a blur")
+    with torch.no_grad():
+        ours = Sampler(cfg, adapter, num_steps=4)([PROMPTS[0]], [3])
+    ref = pipe(prompt=[PROMPTS[0]], negative_prompt=["a blur"], true_cfg_scale=2.0, height=32, width=32,
+               num_inference_steps=4, guidance_scale=3.5, latents=pack(noise), output_type="pt",
+               max_sequence_length=16).images
+    assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+
+
+def test_flux_sigmas_are_the_pipelines():
+    """FluxPipeline's grid: linspace(1, 1/T, T) shifted by mu from the packed token count (64 here)."""
+    import math
+
+    cfg = family_cfg("flux")
+    sig = sigmas_for(cfg, load_adapter(cfg.model), 4)
+    mu = 64 * (1.15 - 0.5) / (4096 - 256) + (0.5 - (1.15 - 0.5) / (4096 - 256) * 256)
+    expect = [math.exp(mu) / (math.exp(mu) + (1 / s - 1)) for s in (1.0, 0.75, 0.5, 0.25)] + [0.0]
+    assert sig.tolist() == pytest.approx(expect, abs=1e-6)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_every_algorithm_trains_on_every_family(tmp_path, family, algorithm):
+    from flowrl.trainer import Trainer
+
+    cfg = family_cfg(family, f"algorithm.name={algorithm}", *ALGORITHMS[algorithm], "sampler.num_steps=4",
+                     "train.prompts_per_iter=2", f"log.output_dir={tmp_path}", "log.run_name=t", "log.sample_every=0",
+                     "log.save_every=0", "rewards=[{name: 'tests.helpers:brightness'}]", "train.clip_range=1e-2")
+    row = Trainer(cfg).iteration(0)
+    assert row["trained_edges"] > 0 and row["optimizer_steps"] >= 1
+    assert row["ratio_max_abs_dev_first_update"] < 1e-5
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_saved_lora_loads_with_the_family_pipeline(tmp_path, family):
+    """Train two iterations with LoRA, save, load the file with the family's diffusers pipeline
+    (``load_lora_weights``): its transformer gives our policy's velocity."""
+    import diffusers
+
+    from flowrl.trainer import Trainer
+
+    cfg = family_cfg(family, "sampler.num_steps=3", "train.prompts_per_iter=1", "algorithm.group_size=2",
+                     "train.iterations=2", "train.lr=5e-2", f"log.output_dir={tmp_path}", "log.run_name=l",
+                     "log.sample_every=0", "rewards=[{name: 'tests.helpers:brightness'}]")
+    trainer = Trainer(cfg)
+    run = trainer.train()
+    ours = trainer.adapter
+    fresh = load_adapter(cfg.model)  # the same base weights (seeded tiny init), no LoRA
+    pipe_class = getattr(diffusers, ours.pipeline_class_name)
+    assert isinstance(fresh.pipe, pipe_class)
+    fresh.pipe.load_lora_weights(str(run / "checkpoints" / "iter_00001"))
+    x = torch.randn((2, *ours.latent_shape(cfg.model.resolution)), generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.9, 0.4])
+    cond = ours.encode_prompts(PROMPTS)
+    with torch.no_grad():
+        ours.transformer.eval()
+        v_ours = ours.velocity(x, sigma, cond)
+        v_pipe = fresh.velocity(x, sigma, fresh.encode_prompts(PROMPTS))
+        v_base = load_adapter(cfg.model).velocity(x, sigma, cond)
+    assert (v_ours - v_base).abs().max() > 1e-4  # the LoRA moved the policy
+    assert torch.allclose(v_pipe, v_ours, atol=1e-5), (v_pipe - v_ours).abs().max()
