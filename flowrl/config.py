@@ -59,6 +59,10 @@ class ModelConfig:
     use_t5: bool = opt(True, "load the T5 encoder of real SD3 checkpoints")
     max_sequence_length: int = opt(256, "T5 tokens (real checkpoints only; FLUX.1-dev uses 512)", lo=0, hi=512)
     guidance: float = opt(3.5, "FLUX.1-dev's distilled guidance embedding (ignored by models without one)", lo=0.0)
+    text_encoder_device: str = opt("same", "where the text encoders run: same (the model's device) or cpu (each prompt "
+                                   "is encoded once and cached, so they need not hold accelerator memory)",
+                                   choices=["same", "cpu"])
+    vae_tiling: bool = opt(False, "decode with VAE slicing and tiling (large resolutions)")
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 

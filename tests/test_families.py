@@ -109,3 +109,16 @@ def test_saved_lora_loads_with_the_family_pipeline(tmp_path, family):
         v_base = load_adapter(cfg.model).velocity(x, sigma, cond)
     assert (v_ours - v_base).abs().max() > 1e-4  # the LoRA moved the policy
     assert torch.allclose(v_pipe, v_ours, atol=1e-5), (v_pipe - v_ours).abs().max()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_text_encoders_on_the_cpu_and_vae_tiling(family):
+    """model.text_encoder_device=cpu keeps the encoders off the accelerator (embeddings unchanged, cached on the
+    model's device); model.vae_tiling switches diffusers' VAE slicing and tiling on."""
+    base = load_adapter(family_cfg(family).model)
+    cfg = family_cfg(family, "model.text_encoder_device=cpu", "model.vae_tiling=true")
+    ad = load_adapter(cfg.model)
+    assert ad.text_device == torch.device("cpu") and ad.pipe.text_encoder.device == torch.device("cpu")
+    assert ad.vae is None or (ad.vae.use_tiling and ad.vae.use_slicing)
+    a, b = base.encode_prompts(PROMPTS), ad.encode_prompts(PROMPTS)
+    assert torch.equal(a.embeds, b.embeds) and torch.equal(a.pooled, b.pooled)

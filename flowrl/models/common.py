@@ -41,7 +41,7 @@ class PipelineAdapter:
     text_encoder_names: tuple[str, ...] = ()
 
     def __init__(self, pipe, max_sequence_length: int = 256, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, text_encoder_device: str = "same", vae_tiling: bool = False):
         self.pipe = pipe
         self.transformer = pipe.transformer
         self.vae = pipe.vae
@@ -49,11 +49,19 @@ class PipelineAdapter:
         self.dtype = dtype
         self.max_sequence_length = max_sequence_length
         self._cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # each prompt is encoded once and cached, so the text encoders (T5-XXL: 9.5 GB in bf16) can live on the
+        # CPU and leave the accelerator to the transformer
+        self.text_device = self.device if text_encoder_device == "same" else torch.device(text_encoder_device)
         self.pipe.to(self.device)
         for name in (*self.text_encoder_names, "vae"):
             module = getattr(pipe, name, None)
             if module is not None:
                 module.requires_grad_(False).eval()
+                if name != "vae":
+                    module.to(self.text_device)
+        if vae_tiling and self.vae is not None:  # decode large images in tiles and one sample at a time
+            self.vae.enable_slicing()
+            self.vae.enable_tiling()
         if self.transformer.dtype != dtype:
             self.transformer.to(dtype=dtype)
 
@@ -69,7 +77,7 @@ class PipelineAdapter:
         # embedding must not depend on which other prompts happened to be encoded with it (exact resume).
         for p in sorted({p for p in prompts if p not in self._cache}):
             embeds, pooled = self._encode_one(p)
-            self._cache[p] = (embeds.float(), pooled.float())
+            self._cache[p] = (embeds.float().to(self.device), pooled.float().to(self.device))
         return PromptEmbeds(torch.stack([self._cache[p][0] for p in prompts]),
                             torch.stack([self._cache[p][1] for p in prompts]))
 

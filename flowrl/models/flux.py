@@ -52,8 +52,9 @@ class FluxAdapter(PipelineAdapter):
     lora_targets = FLUX_LORA_TARGETS
     text_encoder_names = ("text_encoder", "text_encoder_2")
 
-    def __init__(self, pipe, max_sequence_length: int = 512, device="cpu", dtype=torch.float32, guidance: float = 3.5):
-        super().__init__(pipe, max_sequence_length, device, dtype)
+    def __init__(self, pipe, max_sequence_length: int = 512, device="cpu", dtype=torch.float32, guidance: float = 3.5,
+                 **options):
+        super().__init__(pipe, max_sequence_length, device, dtype, **options)
         self.guidance = guidance
 
     @classmethod
@@ -70,7 +71,8 @@ class FluxAdapter(PipelineAdapter):
             source = FLUX_PRESETS.get(model_cfg.pretrained, model_cfg.pretrained)
             pipe = load_pipeline(FluxPipeline, source, dtype, "FLUX")
             max_seq = model_cfg.max_sequence_length
-        return cls(pipe, max_sequence_length=max_seq, device=device, dtype=dtype, guidance=model_cfg.guidance)
+        return cls(pipe, max_sequence_length=max_seq, device=device, dtype=dtype, guidance=model_cfg.guidance,
+                   text_encoder_device=model_cfg.text_encoder_device, vae_tiling=model_cfg.vae_tiling)
 
     # ---------------------------------------------------------------- geometry and schedule
     def latent_shape(self, resolution: int) -> tuple[int, int, int]:
@@ -97,7 +99,7 @@ class FluxAdapter(PipelineAdapter):
 
     # ---------------------------------------------------------------- text and velocity
     def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
-        embeds, pooled, _ = self.pipe.encode_prompt(prompt=[prompt], prompt_2=[prompt], device=self.device,
+        embeds, pooled, _ = self.pipe.encode_prompt(prompt=[prompt], prompt_2=[prompt], device=self.text_device,
                                                     max_sequence_length=self.max_sequence_length)
         return embeds[0], pooled[0]
 

@@ -65,7 +65,8 @@ class SD3Adapter(PipelineAdapter):
         else:
             pipe = load_sd3_pipeline(name, dtype, allow_t5=model_cfg.use_t5)
             max_seq = model_cfg.max_sequence_length if model_cfg.use_t5 else 0
-        return cls(pipe, max_sequence_length=max_seq, device=device, dtype=dtype)
+        return cls(pipe, max_sequence_length=max_seq, device=device, dtype=dtype,
+                   text_encoder_device=model_cfg.text_encoder_device, vae_tiling=model_cfg.vae_tiling)
 
     # ---------------------------------------------------------------- geometry
     def latent_shape(self, resolution: int) -> tuple[int, int, int]:
@@ -80,7 +81,7 @@ class SD3Adapter(PipelineAdapter):
     # ---------------------------------------------------------------- text and velocity
     def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
         embeds, _, pooled, _ = self.pipe.encode_prompt(
-            prompt=[prompt], prompt_2=[prompt], prompt_3=[prompt], device=self.device,
+            prompt=[prompt], prompt_2=[prompt], prompt_3=[prompt], device=self.text_device,
             do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length,
         )
         return embeds[0], pooled[0]
