@@ -70,7 +70,10 @@ class PromptSource:
         self.seed = seed
 
     @classmethod
-    def from_config(cls, data_cfg, seed: int, default: list[str] | None = None) -> "PromptSource":
+    def from_config(cls, data_cfg, seed: int, model_cfg=None) -> "PromptSource":
+        """data.prompt_set, data.prompt_file or data.prompts; a randomly initialised tiny model with none of them
+        gets a few shapes-like prompts, so `flowrl train` runs with no arguments."""
+        default = DEFAULT_TINY_PROMPTS if model_cfg is not None and model_cfg.pretrained in (None, "", "tiny") else None
         if data_cfg.prompt_set != "none":
             return cls(prompt_set(data_cfg.prompt_set), None, seed)
         if data_cfg.prompt_file:

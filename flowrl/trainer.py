@@ -36,7 +36,7 @@ from .losses import gaussian_kl_same_std, kl_std, ppo_clip_loss
 from .models import load_adapter
 from .policy import Policy
 from .rundir import RunFolder
-from .prompts import DEFAULT_TINY_PROMPTS, PromptSource
+from .prompts import PromptSource
 from .registry import EVALUATORS, resolve
 from .rewards import build_reward_set
 from .rewards.registry import RewardScores
@@ -50,8 +50,7 @@ class Trainer:
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.train.seed)
         # --- everything that can fail on bad input happens before a model loads or the run folder is touched
-        self.prompts = PromptSource.from_config(cfg.data, cfg.train.seed, DEFAULT_TINY_PROMPTS
-                                                if cfg.model.pretrained in (None, "", "tiny") else None)
+        self.prompts = PromptSource.from_config(cfg.data, cfg.train.seed, cfg.model)
         self.rewards = build_reward_set(cfg.rewards)
         self.evaluator = resolve(EVALUATORS, cfg.log.eval, "log.eval")() if cfg.log.eval != "none" else None
         self.algorithm = make_algorithm(cfg)
