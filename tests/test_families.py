@@ -16,6 +16,7 @@ PROMPTS = ["a red circle on a blue background", "a green square on a white backg
 FAMILIES = {
     "sd3": ["model.family=sd3", "model.resolution=16"],
     "flux": ["model.family=flux", "model.resolution=32", "model.tiny.resolution=32"],
+    "qwenimage": ["model.family=qwenimage", "model.resolution=32", "model.tiny.resolution=32"],
 }
 # each algorithm's own options, sized for a 4-step tiny run
 ALGORITHMS = {
@@ -54,6 +55,33 @@ def test_flux_rollout_equals_flux_pipeline():
     ref = pipe(prompt=[PROMPTS[0]], negative_prompt=["a blur"], true_cfg_scale=2.0, height=32, width=32,
                num_inference_steps=4, guidance_scale=3.5, latents=pack(noise), output_type="pt",
                max_sequence_length=16).images
+    assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+
+
+def test_qwenimage_rollout_equals_qwenimage_pipeline():
+    """Noise off: QwenImagePipeline's images, with and without its norm-rescaled true CFG; prompts of different
+    token counts batched together (padded, masked) give what each gives alone."""
+    from flowrl.models.flux import pack
+
+    cfg = family_cfg("qwenimage")
+    adapter = load_adapter(cfg.model)
+    shape = adapter.latent_shape(32)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(3))[None]
+    sig = sigmas_for(cfg, adapter, 4)
+    prompts = [PROMPTS[0], "a cat"]  # 8 and 2 words: different token counts
+    alone = torch.cat([sample_images(adapter, [p], [3], sig, shape) for p in prompts])
+    for k, p in enumerate(prompts):
+        ref = adapter.pipe(prompt=[p], height=32, width=32, num_inference_steps=4, true_cfg_scale=1.0,
+                           latents=pack(noise), output_type="pt").images
+        assert torch.allclose(alone[k: k + 1], ref, atol=1e-5), (alone[k: k + 1] - ref).abs().max()
+    assert adapter.encode_prompts(prompts).mask.sum(1).tolist()[1] < adapter.encode_prompts(prompts).mask.shape[1]
+    together = sample_images(adapter, prompts, [3], sig, shape)
+    assert torch.allclose(together, alone, atol=1e-5), (together - alone).abs().max()
+    cfg = family_cfg("qwenimage", "sampler.guidance_scale=4.0", "sampler.negative_prompt=a blur")
+    with torch.no_grad():
+        ours = Sampler(cfg, adapter, num_steps=4)([PROMPTS[0]], [3])
+    ref = adapter.pipe(prompt=[PROMPTS[0]], negative_prompt=["a blur"], true_cfg_scale=4.0, height=32, width=32,
+                       num_inference_steps=4, latents=pack(noise), output_type="pt").images
     assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
 
 

@@ -17,11 +17,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class PromptEmbeds:
-    embeds: torch.Tensor  # (N, L, D) text tokens
-    pooled: torch.Tensor  # (N, P) pooled projections
+    embeds: torch.Tensor  # (N, L, D) text tokens (padded to the longest prompt where lengths differ)
+    pooled: torch.Tensor  # (N, P) pooled projections (P = 0 for families without one)
+    mask: torch.Tensor | None = None  # (N, L) 1 for real tokens; None when every prompt has L tokens
 
     def index(self, idx: torch.Tensor) -> "PromptEmbeds":
-        return PromptEmbeds(self.embeds[idx], self.pooled[idx])
+        return PromptEmbeds(self.embeds[idx], self.pooled[idx], None if self.mask is None else self.mask[idx])
 
 
 def load_pipeline(pipeline_class, source: str, dtype: torch.dtype, family: str, **kwargs):
@@ -39,6 +40,7 @@ class PipelineAdapter:
     pipeline_class_name = ""  # the diffusers pipeline whose LoRA format and schedule this family uses
     lora_targets: list[str] = []
     text_encoder_names: tuple[str, ...] = ()
+    variable_length = False  # prompts encode to different token counts (padded, with a mask)
 
     def __init__(self, pipe, max_sequence_length: int = 256, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, text_encoder_device: str = "same", vae_tiling: bool = False):
@@ -78,8 +80,15 @@ class PipelineAdapter:
         for p in sorted({p for p in prompts if p not in self._cache}):
             embeds, pooled = self._encode_one(p)
             self._cache[p] = (embeds.float().to(self.device), pooled.float().to(self.device))
-        return PromptEmbeds(torch.stack([self._cache[p][0] for p in prompts]),
-                            torch.stack([self._cache[p][1] for p in prompts]))
+        pooled = torch.stack([self._cache[p][1] for p in prompts])
+        lengths = [self._cache[p][0].shape[0] for p in prompts]
+        if not self.variable_length:
+            return PromptEmbeds(torch.stack([self._cache[p][0] for p in prompts]), pooled)
+        width = max(lengths)  # (N, L_max, D) zero-padded, with its mask
+        embeds = torch.stack([torch.nn.functional.pad(self._cache[p][0], (0, 0, 0, width - n))
+                              for p, n in zip(prompts, lengths)])
+        mask = torch.stack([(torch.arange(width, device=self.device) < n).long() for n in lengths])
+        return PromptEmbeds(embeds, pooled, mask)
 
     # ---------------------------------------------------------------- velocity
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:

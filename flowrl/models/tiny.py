@@ -143,3 +143,56 @@ def build_tiny_flux_pipeline(tiny, seed: int = 0):
                                                 base_image_seq_len=256, max_image_seq_len=4096)
     return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=build_clip_tokenizer(tiny.max_tokens),
                         text_encoder_2=t5, tokenizer_2=build_clip_tokenizer(tiny.max_tokens), transformer=transformer)
+
+
+QWEN_TEMPLATE_WORDS = ("Describe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+                       "relationships of the objects and background system user assistant")
+
+
+def build_tiny_byte_level_tokenizer(vocab_size: int = 600):
+    """A byte-level BPE tokenizer (the kind Qwen2 uses) trained offline on the shapes vocabulary and Qwen-Image's
+    prompt template, with the chat special tokens; deterministic."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    colors = ("red", "green", "blue", "yellow", "white", "black", "purple", "orange", "gray", "pink")
+    nouns = ("circle", "square", "triangle", "cross", "cat", "dog", "photo", "painting", "horse", "astronaut")
+    corpus = [QWEN_TEMPLATE_WORDS] + [f"a {c} {n} on a {b} background" for c in colors for n in nouns for b in colors[:3]]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|endoftext|>")
+
+
+def build_tiny_qwenimage_pipeline(tiny, seed: int = 0):
+    """A tiny Qwen-Image-architecture pipeline from configs, offline and randomly initialised: a Qwen2.5-VL text
+    encoder (a tiny vision tower included, as the class requires), the byte-level tokenizer above, a 2x
+    Qwen-Image VAE with 4 latent channels, and the dynamic-shift scheduler."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    tokenizer = build_tiny_byte_level_tokenizer()
+    h = tiny.text_hidden
+    text_cfg = Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=tiny.text_layers, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=len(tokenizer), max_position_embeddings=4096,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=h, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0]))
+    text_encoder = Qwen2_5_VLForConditionalGeneration(text_cfg)
+    z = 4
+    vae = AutoencoderKLQwenImage(base_dim=16, z_dim=z, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
+                                 latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 2.0])
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=4 * z, out_channels=z, num_layers=tiny.num_layers,
+        attention_head_dim=tiny.attention_head_dim, num_attention_heads=tiny.num_attention_heads, joint_attention_dim=h,
+        axes_dims_rope=_rope_axes(tiny.attention_head_dim))
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                                base_image_seq_len=256, max_image_seq_len=8192)
+    return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                             transformer=transformer)

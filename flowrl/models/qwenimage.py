@@ -1,0 +1,102 @@
+"""Qwen-Image adapter (diffusers ``QwenImageTransformer2DModel``).
+
+As for FLUX, latents stay unpacked in the engine, (C, H/8, W/8) (the Qwen-Image VAE's frame axis of one is
+added only to decode), and the adapter packs 2x2 patches into tokens inside its transformer call. The text
+encoder is Qwen2.5-VL: a prompt encodes to as many tokens as it has (no padding to a fixed length), so a
+batch is padded to its longest prompt with an attention mask. True CFG is Qwen-Image's: the guided velocity
+is rescaled per token to the norm of the conditional one. The schedule is the pipeline's linspace(1, 1/T, T)
+with the resolution-dependent shift.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import DTYPES, PipelineAdapter, PromptEmbeds, load_pipeline
+from .flux import pack, unpack
+
+QWEN_PRESETS = {"qwen-image": "Qwen/Qwen-Image"}
+# the attention projections of the dual-stream blocks (Flow-GRPO's Qwen-Image LoRA targets)
+QWEN_LORA_TARGETS = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
+                     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out"]
+
+
+class QwenImageAdapter(PipelineAdapter):
+    family = "qwenimage"
+    pipeline_class_name = "QwenImagePipeline"
+    lora_targets = QWEN_LORA_TARGETS
+    text_encoder_names = ("text_encoder",)
+    variable_length = True
+
+    @classmethod
+    def from_config(cls, model_cfg, device="cpu") -> "QwenImageAdapter":
+        from diffusers import QwenImagePipeline
+
+        from .tiny import build_tiny_qwenimage_pipeline
+
+        dtype = DTYPES[model_cfg.dtype]
+        if model_cfg.pretrained in (None, "", "tiny"):
+            pipe = build_tiny_qwenimage_pipeline(model_cfg.tiny, seed=model_cfg.tiny.init_seed)
+        else:
+            source = QWEN_PRESETS.get(model_cfg.pretrained, model_cfg.pretrained)
+            pipe = load_pipeline(QwenImagePipeline, source, dtype, "Qwen-Image")
+        return cls(pipe, max_sequence_length=model_cfg.max_sequence_length, device=device, dtype=dtype,
+                   text_encoder_device=model_cfg.text_encoder_device, vae_tiling=model_cfg.vae_tiling)
+
+    # ---------------------------------------------------------------- geometry, schedule, decoding
+    def vae_factor(self) -> int:
+        return 2 ** len(self.vae.temperal_downsample)
+
+    def latent_shape(self, resolution: int) -> tuple[int, int, int]:
+        f = self.vae_factor()
+        return (self.vae.config.z_dim, resolution // f, resolution // f)
+
+    def image_seq_len(self, resolution: int) -> int:
+        _, h, w = self.latent_shape(resolution)
+        return (h // 2) * (w // 2)
+
+    def default_sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+        from .flux import FluxAdapter
+
+        return FluxAdapter.default_sigmas(self, num_steps, resolution)  # the same rule as FluxPipeline's
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """(B, C, h, w) -> (B, 3, H, W) in [0, 1]: un-normalise with the VAE's per-channel mean and std."""
+        c = self.vae.config
+        mean = torch.tensor(c.latents_mean, device=latents.device).view(1, c.z_dim, 1, 1, 1)
+        std = torch.tensor(c.latents_std, device=latents.device).view(1, c.z_dim, 1, 1, 1)
+        z = latents[:, :, None].float() * std + mean  # (B, C, 1, h, w): one frame
+        image = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0][:, :, 0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
+
+    # ---------------------------------------------------------------- text and velocity
+    def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, _ = self.pipe.encode_prompt(prompt=[prompt], device=self.text_device,
+                                            max_sequence_length=self.max_sequence_length)
+        return embeds[0], embeds.new_zeros(0)
+
+    def _transformer(self, x, sigma, cond: PromptEmbeds) -> torch.Tensor:
+        b, _, h, w = x.shape
+        mask = cond.mask if cond.mask is not None else torch.ones(cond.embeds.shape[:2], dtype=torch.long,
+                                                                  device=x.device)
+        t = (sigma * 1000.0).to(self.dtype)  # the pipeline's scheduler timestep, which it divides by 1000
+        out = self.transformer(
+            hidden_states=pack(x).to(self.dtype), timestep=t / 1000, encoder_hidden_states=cond.embeds.to(self.dtype),
+            encoder_hidden_states_mask=mask, img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False,
+        )[0]
+        return out.float()  # (B, h/2 * w/2, 4C) packed
+
+    def velocity(self, x, sigma, cond: PromptEmbeds, guidance_scale: float = 1.0, negative=None) -> torch.Tensor:
+        """Conditional velocity; with true CFG, ``v_neg + g (v_pos - v_neg)`` rescaled per packed token to the
+        norm of ``v_pos`` (QwenImagePipeline's rule). x (B, C, h, w) fp32 -> (B, C, h, w) fp32."""
+        b, _, h, w = x.shape
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(b)
+        v_pos = self._transformer(x, sigma, cond)
+        if guidance_scale > 1.0 and negative is not None:
+            neg = PromptEmbeds(negative.embeds.expand(b, -1, -1), negative.pooled.expand(b, -1),
+                               None if negative.mask is None else negative.mask.expand(b, -1))
+            v_neg = self._transformer(x, sigma, neg)
+            comb = v_neg + guidance_scale * (v_pos - v_neg)
+            v_pos = comb * (v_pos.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))
+        return unpack(v_pos, h, w)
