@@ -140,6 +140,21 @@ class PipelineAdapter:
                                   c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.15))
         return diffusers_sigmas(c, num_steps, mu)
 
+    def linspace_shifted_sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+        """FluxPipeline's and QwenImagePipeline's grid: sigmas linspace(1, 1/T, T), shifted with mu from the
+        packed token count, then a final 0."""
+        import numpy as np
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        from ..samplers.schedules import dynamic_shift_mu
+
+        c = self.scheduler_config
+        mu = dynamic_shift_mu(self.image_seq_len(resolution), c.get("base_image_seq_len", 256),
+                              c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        sched = FlowMatchEulerDiscreteScheduler.from_config(c)
+        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), device="cpu", mu=mu)
+        return sched.sigmas.detach().float().clone()
+
     # ---------------------------------------------------------------- images
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

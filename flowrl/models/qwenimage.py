@@ -56,9 +56,7 @@ class QwenImageAdapter(PipelineAdapter):
         return (h // 2) * (w // 2)
 
     def default_sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
-        from .flux import FluxAdapter
-
-        return FluxAdapter.default_sigmas(self, num_steps, resolution)  # the same rule as FluxPipeline's
+        return self.linspace_shifted_sigmas(num_steps, resolution)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
