@@ -17,6 +17,7 @@ FAMILIES = {
     "sd3": ["model.family=sd3", "model.resolution=16"],
     "flux": ["model.family=flux", "model.resolution=32", "model.tiny.resolution=32"],
     "qwenimage": ["model.family=qwenimage", "model.resolution=32", "model.tiny.resolution=32"],
+    "flux2": ["model.family=flux2", "model.resolution=32", "model.tiny.resolution=32"],
 }
 # each algorithm's own options, sized for a 4-step tiny run
 ALGORITHMS = {
@@ -82,6 +83,27 @@ def test_qwenimage_rollout_equals_qwenimage_pipeline():
         ours = Sampler(cfg, adapter, num_steps=4)([PROMPTS[0]], [3])
     ref = adapter.pipe(prompt=[PROMPTS[0]], negative_prompt=["a blur"], true_cfg_scale=4.0, height=32, width=32,
                        num_inference_steps=4, latents=pack(noise), output_type="pt").images
+    assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+
+
+def test_flux2_rollout_equals_flux2_pipeline():
+    """Noise off: Flux2KleinPipeline's images (its latents are the normalised, patchified ones the engine uses),
+    with and without CFG against the empty prompt."""
+    cfg = family_cfg("flux2")
+    adapter = load_adapter(cfg.model)
+    shape = adapter.latent_shape(32)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(3))[None]
+    sig = sigmas_for(cfg, adapter, 4)
+    common = dict(height=32, width=32, num_inference_steps=4, latents=noise, output_type="pt", max_sequence_length=16,
+                  text_encoder_out_layers=adapter.text_encoder_out_layers)
+    for p in PROMPTS:
+        ref = adapter.pipe(prompt=[p], guidance_scale=1.0, **common).images
+        ours = sample_images(adapter, [p], [3], sig, shape)
+        assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+    cfg = family_cfg("flux2", "sampler.guidance_scale=4.0", "sampler.negative_prompt=")
+    with torch.no_grad():
+        ours = Sampler(cfg, adapter, num_steps=4)([PROMPTS[0]], [3])
+    ref = adapter.pipe(prompt=[PROMPTS[0]], guidance_scale=4.0, **common).images
     assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
 
 

@@ -196,3 +196,41 @@ def build_tiny_qwenimage_pipeline(tiny, seed: int = 0):
                                                 base_image_seq_len=256, max_image_seq_len=8192)
     return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                              transformer=transformer)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tiny_flux2_pipeline(tiny, seed: int = 0):
+    """A tiny FLUX.2 [klein]-architecture pipeline (Qwen3 text encoder, the offline byte-level tokenizer with a
+    chat template, a 2x FLUX.2 VAE with 4 latent channels and batch-norm statistics, no guidance embedding).
+    Returns (pipeline, the text-encoder layers whose states form the prompt embedding)."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    tokenizer = build_tiny_byte_level_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    h = tiny.text_hidden
+    text_encoder = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=h, intermediate_size=2 * h, num_hidden_layers=tiny.text_layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None))
+    layers = tuple(range(1, tiny.text_layers + 1))  # every layer's states (the real model takes 9, 18, 27)
+    z = 4
+    vae = AutoencoderKLFlux2(block_out_channels=(16, 32), down_block_types=("DownEncoderBlock2D",) * 2,
+                             up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=z, norm_num_groups=8,
+                             layers_per_block=1, sample_size=tiny.resolution)
+    with torch.no_grad():  # batch-norm statistics away from (0, 1), so decoding exercises them
+        vae.bn.running_mean.copy_(torch.linspace(-0.2, 0.2, vae.bn.running_mean.numel()))
+        vae.bn.running_var.copy_(torch.linspace(0.5, 1.5, vae.bn.running_var.numel()))
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=4 * z, num_layers=tiny.num_layers, num_single_layers=tiny.num_layers,
+        attention_head_dim=tiny.attention_head_dim, num_attention_heads=tiny.num_attention_heads,
+        joint_attention_dim=len(layers) * h, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4)
+        if tiny.attention_head_dim == 16 else tuple([tiny.attention_head_dim // 4] * 4), guidance_embeds=False)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
+    pipe = Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                              transformer=transformer, is_distilled=False)
+    return pipe, layers

@@ -1,0 +1,115 @@
+"""FLUX.2 adapter (diffusers ``Flux2Transformer2DModel``): FLUX.2 [dev] through ``Flux2Pipeline`` (Mistral
+text encoder) and FLUX.2 [klein] through ``Flux2KleinPipeline`` (Qwen3 text encoder); both give
+``encode_prompt(prompt, device, max_sequence_length, text_encoder_out_layers) -> (embeds, text_ids)``.
+
+FLUX.2 normalises latents with its VAE's batch-norm statistics and patchifies 2x2 before the transformer; the
+engine works in that space, (4C, H/16, W/16), which is where the pipeline draws its noise, so the adapter only
+flattens it to tokens. Decoding undoes the normalisation and the patchify. The grid is linspace(1, 1/T, T)
+shifted by FLUX.2's empirical mu (a function of the token count and T).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import DTYPES, PipelineAdapter, load_pipeline
+
+FLUX2_PRESETS = {"flux.2-dev": "black-forest-labs/FLUX.2-dev", "flux.2-klein-4b": "black-forest-labs/FLUX.2-klein-4B",
+                 "flux.2-klein-base-4b": "black-forest-labs/FLUX.2-klein-base-4B"}
+# the double blocks' attention projections and the single blocks' fused qkv + MLP input projection
+FLUX2_LORA_TARGETS = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
+                      "attn.add_v_proj", "attn.to_add_out", "attn.to_qkv_mlp_proj"]
+
+
+def token_ids(h: int, w: int) -> torch.Tensor:
+    """(H * W, 4) position ids (t, row, column, layer) of the latent tokens, Flux2Pipeline's order."""
+    return torch.cartesian_prod(torch.arange(1), torch.arange(h), torch.arange(w), torch.arange(1))
+
+
+class Flux2Adapter(PipelineAdapter):
+    family = "flux2"
+    lora_targets = FLUX2_LORA_TARGETS
+    text_encoder_names = ("text_encoder",)
+
+    def __init__(self, pipe, max_sequence_length: int = 512, device="cpu", dtype=torch.float32, guidance: float = 4.0,
+                 text_encoder_out_layers: tuple[int, ...] | None = None, **options):
+        super().__init__(pipe, max_sequence_length, device, dtype, **options)
+        self.guidance = guidance
+        self.pipeline_class_name = type(pipe).__name__  # Flux2Pipeline or Flux2KleinPipeline: its LoRA format
+        self.text_encoder_out_layers = text_encoder_out_layers  # None: the pipeline's default layers
+
+    @classmethod
+    def from_config(cls, model_cfg, device="cpu") -> "Flux2Adapter":
+        from diffusers import DiffusionPipeline
+
+        from ..errors import ConfigError
+        from .tiny import build_tiny_flux2_pipeline
+
+        dtype = DTYPES[model_cfg.dtype]
+        layers = None
+        if model_cfg.pretrained in (None, "", "tiny"):
+            pipe, layers = build_tiny_flux2_pipeline(model_cfg.tiny, seed=model_cfg.tiny.init_seed)
+            max_seq = model_cfg.tiny.max_tokens
+        else:
+            source = FLUX2_PRESETS.get(model_cfg.pretrained, model_cfg.pretrained)
+            pipe = load_pipeline(DiffusionPipeline, source, dtype, "FLUX.2")  # its model_index.json names the class
+            if type(pipe).__name__ not in ("Flux2Pipeline", "Flux2KleinPipeline"):
+                raise ConfigError(f"model.pretrained: {source!r} is a {type(pipe).__name__}, not a FLUX.2 pipeline; "
+                                  "set model.family to match it")
+            max_seq = model_cfg.max_sequence_length
+        return cls(pipe, max_sequence_length=max_seq, device=device, dtype=dtype, guidance=model_cfg.guidance,
+                   text_encoder_out_layers=layers, text_encoder_device=model_cfg.text_encoder_device,
+                   vae_tiling=model_cfg.vae_tiling)
+
+    # ---------------------------------------------------------------- geometry, schedule, decoding
+    def latent_shape(self, resolution: int) -> tuple[int, int, int]:
+        f = 2 * self.vae_factor()  # VAE, then the 2x2 patchify
+        return (self.transformer.config.in_channels, resolution // f, resolution // f)
+
+    def image_seq_len(self, resolution: int) -> int:
+        _, h, w = self.latent_shape(resolution)
+        return h * w
+
+    def default_sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+        import numpy as np
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+        sched = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), device="cpu",
+                            mu=compute_empirical_mu(self.image_seq_len(resolution), num_steps))
+        return sched.sigmas.detach().float().clone()
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """(B, 4C, h, w) normalised patchified latents -> (B, 3, H, W) in [0, 1]."""
+        bn = self.vae.bn
+        mean = bn.running_mean.view(1, -1, 1, 1).to(latents.device, torch.float32)
+        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(latents.device, torch.float32)
+        z = latents.float() * std + mean
+        b, c4, h, w = z.shape  # unpatchify: (B, 4C, h, w) -> (B, C, 2h, 2w)
+        z = z.reshape(b, c4 // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c4 // 4, 2 * h, 2 * w)
+        image = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
+
+    # ---------------------------------------------------------------- text and velocity
+    def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        kwargs = {} if self.text_encoder_out_layers is None else {"text_encoder_out_layers": self.text_encoder_out_layers}
+        embeds, _ = self.pipe.encode_prompt(prompt=[prompt], device=self.text_device,
+                                            max_sequence_length=self.max_sequence_length, **kwargs)
+        return embeds[0], embeds.new_zeros(0)
+
+    def _forward(self, x, sigma, embeds, pooled):
+        b, c, h, w = x.shape
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((b,), self.guidance, device=x.device, dtype=torch.float32)
+        t = (sigma * 1000.0).to(self.dtype)
+        tokens = x.reshape(b, c, h * w).permute(0, 2, 1)  # (B, h w, 4C)
+        txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(embeds.shape[1]))
+        out = self.transformer(
+            hidden_states=tokens.to(self.dtype), timestep=t / 1000, guidance=guidance,
+            encoder_hidden_states=embeds.to(self.dtype), txt_ids=txt_ids.expand(b, -1, -1).to(x.device),
+            img_ids=token_ids(h, w).expand(b, -1, -1).to(x.device), return_dict=False,
+        )[0]
+        return out.float().permute(0, 2, 1).reshape(b, c, h, w)
