@@ -172,3 +172,29 @@ def test_text_encoders_on_the_cpu_and_vae_tiling(family):
     assert ad.vae is None or (ad.vae.use_tiling and ad.vae.use_slicing)
     a, b = base.encode_prompts(PROMPTS), ad.encode_prompts(PROMPTS)
     assert torch.equal(a.embeds, b.embeds) and torch.equal(a.pooled, b.pooled)
+
+
+def test_sd3_rollout_equals_sd3_pipeline():
+    """Noise off, CFG on: StableDiffusion3Pipeline's images from the tiny latent-space (VAE) SD3 model."""
+    cfg = load_config(None, ["model.family=sd3", "model.resolution=16", "model.tiny.vae=true", "log.progress=false",
+                             "sampler.guidance_scale=3.0"])
+    adapter = load_adapter(cfg.model)
+    shape = adapter.latent_shape(16)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(3))[None]
+    with torch.no_grad():
+        ours = Sampler(cfg, adapter, num_steps=4)([PROMPTS[0]], [3])
+    ref = adapter.pipe(prompt=[PROMPTS[0]], negative_prompt=[""], guidance_scale=3.0, height=16, width=16,
+                       num_inference_steps=4, latents=noise, output_type="pt", max_sequence_length=0).images
+    assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bench_runs_on_every_family(family, capsys):
+    import json
+
+    from flowrl.cli import main
+
+    assert main(["bench", *FAMILIES[family], "sampler.num_steps=2", "train.prompts_per_iter=1",
+                 "algorithm.group_size=2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["nfe_rollout_per_leaf"] == 2.0 and out["rollout_batched"]["transformer_calls"] == 2
