@@ -52,7 +52,9 @@ class TinyModelConfig:
 @dataclass
 class ModelConfig:
     family: str = opt("sd3", "model family: sd3 (SD3 / SD3.5), flux (FLUX.1 dev / schnell), flux2 (FLUX.2 dev / "
-                      "klein) or qwenimage (Qwen-Image)", choices=["sd3", "flux", "flux2", "qwenimage"])
+                      "klein), qwenimage (Qwen-Image) or wan (Wan 2.1 text-to-video)",
+                      choices=["sd3", "flux", "flux2", "qwenimage", "wan"])
+    num_frames: int = opt(17, "video frames (wan): 4k + 1 for Wan's 4x temporal compression", lo=1)
     pretrained: Optional[str] = opt("tiny", "'tiny' (random init), 'tiny-shapes' (the shipped pretrained model), a "
                                     "preset (sd3.5-medium, sd3.5-large), a hub id or a local diffusers folder")
     dtype: str = opt("fp32", "weights dtype of the transformer", choices=["fp32", "bf16", "fp16"])
@@ -493,7 +495,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}: list at least one seed, e.g. [0, 1, 2, 3]")
     m = cfg.model
     tiny = m.pretrained in (None, "", "tiny")
-    if m.family in ("flux", "flux2", "qwenimage"):  # VAE (tiny: 2, real: 8) x 2x2 packing
+    if m.family in ("flux", "flux2", "qwenimage", "wan"):  # VAE (tiny: 2, real: 8) x 2x2 packing / patches
         factor = 4 if tiny else 16
     else:
         factor = m.tiny.patch_size * (2 if m.tiny.vae else 1) if tiny else 16  # SD3: VAE 8 x patch 2

@@ -154,7 +154,14 @@ def side_by_side(left: torch.Tensor, right: torch.Tensor, per_row: int) -> torch
 
 def save_grid(images: torch.Tensor, nrow: int, path: Path, min_size: int = 64,
               row_labels: list[str] | None = None, title: str | None = None) -> Path:
-    """images (N, 3, H, W) in [0, 1], row-major, -> PNG grid (nearest-upscaled so tiny images stay visible)."""
+    """images (N, 3, H, W) in [0, 1], row-major, -> PNG grid (nearest-upscaled so tiny images stay visible).
+    Videos (N, F, 3, H, W): the PNG shows each sample's frames as a strip, and an animated GIF of the grid is
+    written beside it (``<name>.gif``)."""
+    if images.ndim == 5:
+        save_video_grid(images, nrow, path.with_suffix(".gif"), min_size)
+        n, f = images.shape[:2]
+        strips = images.permute(0, 2, 3, 1, 4).reshape(n, images.shape[2], images.shape[3], f * images.shape[4])
+        return save_grid(strips, nrow, path, min_size, row_labels, (title or "") + f" ({f} frames per sample)")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,6 +187,26 @@ def save_grid(images: torch.Tensor, nrow: int, path: Path, min_size: int = 64,
         ax.set_title(title, fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     _savefig(fig, path)
+    return path
+
+
+def save_video_grid(videos: torch.Tensor, nrow: int, path: Path, min_size: int = 64, fps: int = 8) -> Path:
+    """videos (N, F, 3, H, W) in [0, 1] -> an animated GIF whose frame k is the grid of every sample's frame k
+    (Pillow's GIF writer; written to a temporary name and renamed, like every output)."""
+    from PIL import Image
+    from torchvision.utils import make_grid
+
+    frames = []
+    for k in range(videos.shape[1]):
+        x = videos[:, k].clamp(0, 1)
+        if x.shape[-1] < min_size:
+            x = torch.nn.functional.interpolate(x, scale_factor=min_size // x.shape[-1], mode="nearest")
+        grid = make_grid(x, nrow=nrow, padding=2, pad_value=1.0)
+        frames.append(Image.fromarray((grid.permute(1, 2, 0) * 255).round().byte().numpy()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    frames[0].save(tmp, format="GIF", save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
+    os.replace(tmp, path)
     return path
 
 

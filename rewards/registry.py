@@ -101,6 +101,10 @@ class RewardSet:
             except RewardError:
                 raise
             except Exception as exc:  # a user's scorer: name it, keep its message, no traceback
+                if images.ndim == 5 and not getattr(fn, "accepts_video", False):
+                    raise RewardError(f"reward {name!r} scores images (N, 3, H, W) but this model makes videos "
+                                      f"(N, F, 3, H, W); score its frames with rewards=[{{name: video_frames, args: "
+                                      f"{{reward: {name}}}}}]") from exc
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                 raise RewardError(f"reward {name!r} failed: {type(exc).__name__}: {first}"[:500]) from exc
             try:

@@ -37,6 +37,8 @@ def frame_indices(num_frames: int, frames: str, stride: int) -> list[int]:
 
 @register_reward("video_frames")
 class VideoFrames:
+    accepts_video = True  # scores (N, F, 3, H, W) videos
+
     def __init__(self, reward: str = "clip", reward_args: dict | None = None, frames: str = "all", stride: int = 4):
         if frames not in FRAME_MODES:
             raise RewardError(f"video_frames: frames {frames!r} must be one of {', '.join(FRAME_MODES)}")
@@ -64,6 +66,8 @@ class VideoFrames:
 
 @register_reward("temporal_consistency")
 class TemporalConsistency:
+    accepts_video = True
+
     def __init__(self, embedder: str = "clip", embedder_args: dict | None = None):
         self.embedder = build_reward(embedder, **(embedder_args or {}))
         if not hasattr(self.embedder, "embed_images"):

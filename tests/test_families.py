@@ -18,7 +18,10 @@ FAMILIES = {
     "flux": ["model.family=flux", "model.resolution=32", "model.tiny.resolution=32"],
     "qwenimage": ["model.family=qwenimage", "model.resolution=32", "model.tiny.resolution=32"],
     "flux2": ["model.family=flux2", "model.resolution=32", "model.tiny.resolution=32"],
+    "wan": ["model.family=wan", "model.resolution=32", "model.tiny.resolution=32", "model.num_frames=5"],
 }
+REWARD = {f: "rewards=[{name: 'tests.helpers:brightness'}]" for f in FAMILIES}
+REWARD["wan"] = "rewards=[{name: video_frames, args: {reward: 'tests.helpers:brightness'}}]"  # videos (N, F, 3, H, W)
 # each algorithm's own options, sized for a 4-step tiny run
 ALGORITHMS = {
     "flow_grpo": [], "flow_grpo_fast": ["algorithm.window.size=1"], "mix_grpo": ["algorithm.window.size=2"],
@@ -107,6 +110,44 @@ def test_flux2_rollout_equals_flux2_pipeline():
     assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
 
 
+def test_wan_rollout_equals_wan_pipeline():
+    """Videos: noise off, WanPipeline's frames (B, F, 3, H, W), with and without its CFG."""
+    cfg = family_cfg("wan")
+    adapter = load_adapter(cfg.model)
+    shape = adapter.latent_shape(32)
+    assert shape == (4, 3, 16, 16)  # 5 frames -> (5 - 1) / 2 + 1 latent frames with the tiny 2x temporal VAE
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(3))[None]
+    common = dict(height=32, width=32, num_frames=5, num_inference_steps=4, latents=noise, output_type="pt",
+                  max_sequence_length=16)
+    ours = sample_images(adapter, ["a red circle moving left"], [3], sigmas_for(cfg, adapter, 4), shape)
+    ref = adapter.pipe(prompt=["a red circle moving left"], guidance_scale=1.0, **common).frames
+    assert ours.shape == ref.shape == (1, 5, 3, 32, 32)
+    assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+    cfg = family_cfg("wan", "sampler.guidance_scale=5.0", "sampler.negative_prompt=a blur")
+    with torch.no_grad():
+        ours = Sampler(cfg, adapter, num_steps=4)(["a red circle moving left"], [3])
+    ref = adapter.pipe(prompt=["a red circle moving left"], negative_prompt=["a blur"], guidance_scale=5.0, **common).frames
+    assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+
+
+def test_video_grids_are_a_frame_strip_and_a_gif(tmp_path):
+    from PIL import Image
+
+    from flowrl.report import save_grid
+
+    videos = (torch.rand(4, 5, 3, 8, 8, generator=torch.Generator().manual_seed(0)) > 0.5).float()  # 8 colours: GIF-exact
+    png = save_grid(videos, 2, tmp_path / "g.png", row_labels=["a", "b"])
+    gif = Image.open(tmp_path / "g.gif")
+    assert png.stat().st_size > 0 and gif.n_frames == 5
+    # frame 2 of the GIF is the grid of every sample's third frame (64 px tiles, 2 px padding)
+    gif.seek(2)
+    import numpy as np
+
+    tile = torch.from_numpy(np.array(gif.convert("RGB"))).float()
+    expect = torch.nn.functional.interpolate(videos[:, 2], scale_factor=8, mode="nearest")[0].permute(1, 2, 0) * 255
+    assert torch.equal(tile[2:66, 2:66], expect)
+
+
 def test_flux_sigmas_are_the_pipelines():
     """FluxPipeline's grid: linspace(1, 1/T, T) shifted by mu from the packed token count (64 here)."""
     import math
@@ -125,7 +166,7 @@ def test_every_algorithm_trains_on_every_family(tmp_path, family, algorithm):
 
     cfg = family_cfg(family, f"algorithm.name={algorithm}", *ALGORITHMS[algorithm], "sampler.num_steps=4",
                      "train.prompts_per_iter=2", f"log.output_dir={tmp_path}", "log.run_name=t", "log.sample_every=0",
-                     "log.save_every=0", "rewards=[{name: 'tests.helpers:brightness'}]", "train.clip_range=1e-2")
+                     "log.save_every=0", REWARD[family], "train.clip_range=1e-2")
     row = Trainer(cfg).iteration(0)
     assert row["trained_edges"] > 0 and row["optimizer_steps"] >= 1
     assert row["ratio_max_abs_dev_first_update"] < 1e-5
@@ -141,7 +182,7 @@ def test_saved_lora_loads_with_the_family_pipeline(tmp_path, family):
 
     cfg = family_cfg(family, "sampler.num_steps=3", "train.prompts_per_iter=1", "algorithm.group_size=2",
                      "train.iterations=2", "train.lr=5e-2", f"log.output_dir={tmp_path}", "log.run_name=l",
-                     "log.sample_every=0", "rewards=[{name: 'tests.helpers:brightness'}]")
+                     "log.sample_every=0", REWARD[family])
     trainer = Trainer(cfg)
     run = trainer.train()
     ours = trainer.adapter
@@ -195,6 +236,17 @@ def test_bench_runs_on_every_family(family, capsys):
     from flowrl.cli import main
 
     assert main(["bench", *FAMILIES[family], "sampler.num_steps=2", "train.prompts_per_iter=1",
-                 "algorithm.group_size=2"]) == 0
+                 "algorithm.group_size=2", REWARD[family]]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["nfe_rollout_per_leaf"] == 2.0 and out["rollout_batched"]["transformer_calls"] == 2
+
+
+def test_an_image_reward_on_videos_says_how_to_wrap_it(tmp_path, capsys):
+    from flowrl.cli import main
+
+    code = main(["train", *FAMILIES["wan"], "sampler.num_steps=2", "train.prompts_per_iter=1", "algorithm.group_size=2",
+                 f"log.output_dir={tmp_path}", "log.progress=false", "rewards=[{name: jpeg_compressibility}]"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1] == ("flowrl: error: reward 'jpeg_compressibility' scores images (N, 3, H, W) but "
+                                     "this model makes videos (N, F, 3, H, W); score its frames with "
+                                     "rewards=[{name: video_frames, args: {reward: jpeg_compressibility}}]")

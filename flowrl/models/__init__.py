@@ -8,8 +8,9 @@ from .flux import FluxAdapter
 from .flux2 import Flux2Adapter
 from .qwenimage import QwenImageAdapter
 from .sd3 import SD3_LORA_TARGETS, SD3_PRESETS, SD3Adapter
+from .wan import WanAdapter
 
-ADAPTERS = {"sd3": SD3Adapter, "flux": FluxAdapter, "flux2": Flux2Adapter, "qwenimage": QwenImageAdapter}
+ADAPTERS = {"sd3": SD3Adapter, "flux": FluxAdapter, "flux2": Flux2Adapter, "qwenimage": QwenImageAdapter, "wan": WanAdapter}
 
 
 def load_adapter(model_cfg, device="cpu") -> ModelAdapter:
@@ -17,4 +18,4 @@ def load_adapter(model_cfg, device="cpu") -> ModelAdapter:
     return ADAPTERS[model_cfg.family].from_config(model_cfg, device)
 
 
-__all__ = ["ADAPTERS", "Flux2Adapter", "FluxAdapter", "QwenImageAdapter", "ModelAdapter", "PromptEmbeds", "SD3Adapter", "SD3_LORA_TARGETS", "SD3_PRESETS", "load_adapter"]
+__all__ = ["ADAPTERS", "WanAdapter", "Flux2Adapter", "FluxAdapter", "QwenImageAdapter", "ModelAdapter", "PromptEmbeds", "SD3Adapter", "SD3_LORA_TARGETS", "SD3_PRESETS", "load_adapter"]

@@ -234,3 +234,29 @@ def build_tiny_flux2_pipeline(tiny, seed: int = 0):
     pipe = Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                               transformer=transformer, is_distilled=False)
     return pipe, layers
+
+
+def build_tiny_wan_pipeline(tiny, seed: int = 0):
+    """A tiny Wan 2.1-architecture text-to-video pipeline: a UMT5 encoder with the offline byte-level tokenizer, a
+    Wan VAE with 2x spatial and 2x temporal compression and 4 latent channels, the 3D transformer, and the
+    flow-matching scheduler with Wan's shift."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(seed)
+    tokenizer = build_tiny_byte_level_tokenizer()
+    h = tiny.text_hidden
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=h, d_kv=16, d_ff=2 * h,
+                                               num_layers=tiny.text_layers, num_heads=2,
+                                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                               decoder_start_token_id=tokenizer.pad_token_id))
+    z = 4
+    vae = AutoencoderKLWan(base_dim=16, z_dim=z, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
+                           latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 2.0])
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=tiny.num_attention_heads, attention_head_dim=tiny.attention_head_dim,
+        in_channels=z, out_channels=z, text_dim=h, freq_dim=32, ffn_dim=2 * tiny.attention_head_dim,
+        num_layers=tiny.num_layers, rope_max_seq_len=64)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)  # Wan 2.1's flow shift at 480p
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                       transformer=transformer)
