@@ -67,6 +67,42 @@ class PipelineAdapter:
         if self.transformer.dtype != dtype:
             self.transformer.to(dtype=dtype)
 
+    # ---------------------------------------------------------------- construction
+    presets: dict[str, str] = {}  # short names -> hub ids
+    tiny_builder = ""  # the function in flowrl.models.tiny that builds this family's tiny offline pipeline
+    tiny_sequence_length = True  # the tiny model encodes model.tiny.max_tokens tokens (else model.max_sequence_length)
+
+    @classmethod
+    def build_tiny(cls, tiny) -> tuple[object, dict]:
+        """(a tiny pipeline of this family from ``model.tiny``, extra constructor options)."""
+        from . import tiny as tiny_models
+
+        out = getattr(tiny_models, cls.tiny_builder)(tiny, seed=tiny.init_seed)
+        return out if isinstance(out, tuple) else (out, {})
+
+    @classmethod
+    def options(cls, model_cfg) -> dict:
+        """Family-specific constructor options from ``model`` (guidance, frames, ...)."""
+        return {}
+
+    @classmethod
+    def from_config(cls, model_cfg, device="cpu"):
+        """The tiny offline model (``pretrained: tiny``), or a checkpoint by short name, hub id or local folder."""
+        import diffusers
+
+        dtype = DTYPES[model_cfg.dtype]
+        extra = cls.options(model_cfg)
+        if model_cfg.pretrained in (None, "", "tiny"):
+            pipe, tiny_extra = cls.build_tiny(model_cfg.tiny)
+            extra.update(tiny_extra)
+            max_seq = model_cfg.tiny.max_tokens if cls.tiny_sequence_length else model_cfg.max_sequence_length
+        else:
+            source = cls.presets.get(model_cfg.pretrained, model_cfg.pretrained)
+            pipe = load_pipeline(getattr(diffusers, cls.pipeline_class_name), source, dtype, cls.family)
+            max_seq = model_cfg.max_sequence_length
+        return cls(pipe, max_sequence_length=max_seq, device=device, dtype=dtype,
+                   text_encoder_device=model_cfg.text_encoder_device, vae_tiling=model_cfg.vae_tiling, **extra)
+
     # ---------------------------------------------------------------- text
     def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(embeds (L, D), pooled (P,)) of one prompt."""

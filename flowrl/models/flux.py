@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import DTYPES, PipelineAdapter, load_pipeline
+from .common import PipelineAdapter
 
 FLUX_PRESETS = {
     "flux.1-dev": "black-forest-labs/FLUX.1-dev",
@@ -57,22 +57,12 @@ class FluxAdapter(PipelineAdapter):
         super().__init__(pipe, max_sequence_length, device, dtype, **options)
         self.guidance = guidance
 
+    tiny_builder = "build_tiny_flux_pipeline"
+    presets = FLUX_PRESETS
+
     @classmethod
-    def from_config(cls, model_cfg, device="cpu") -> "FluxAdapter":
-        from diffusers import FluxPipeline
-
-        from .tiny import build_tiny_flux_pipeline
-
-        dtype = DTYPES[model_cfg.dtype]
-        if model_cfg.pretrained in (None, "", "tiny"):
-            pipe = build_tiny_flux_pipeline(model_cfg.tiny, seed=model_cfg.tiny.init_seed)
-            max_seq = model_cfg.tiny.max_tokens
-        else:
-            source = FLUX_PRESETS.get(model_cfg.pretrained, model_cfg.pretrained)
-            pipe = load_pipeline(FluxPipeline, source, dtype, "FLUX")
-            max_seq = model_cfg.max_sequence_length
-        return cls(pipe, max_sequence_length=max_seq, device=device, dtype=dtype, guidance=model_cfg.guidance,
-                   text_encoder_device=model_cfg.text_encoder_device, vae_tiling=model_cfg.vae_tiling)
+    def options(cls, model_cfg) -> dict:
+        return {"guidance": model_cfg.guidance}
 
     # ---------------------------------------------------------------- geometry and schedule
     def latent_shape(self, resolution: int) -> tuple[int, int, int]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import DTYPES, PipelineAdapter, load_pipeline
+from ..errors import ConfigError
+from .common import PipelineAdapter
 
 FLUX2_PRESETS = {"flux.2-dev": "black-forest-labs/FLUX.2-dev", "flux.2-klein-4b": "black-forest-labs/FLUX.2-klein-4B",
                  "flux.2-klein-base-4b": "black-forest-labs/FLUX.2-klein-base-4B"}
@@ -35,31 +36,19 @@ class Flux2Adapter(PipelineAdapter):
                  text_encoder_out_layers: tuple[int, ...] | None = None, **options):
         super().__init__(pipe, max_sequence_length, device, dtype, **options)
         self.guidance = guidance
+        if type(pipe).__name__ not in ("Flux2Pipeline", "Flux2KleinPipeline"):
+            raise ConfigError(f"model.pretrained: the checkpoint is a {type(pipe).__name__}, not a FLUX.2 pipeline; "
+                              "set model.family to match it")
         self.pipeline_class_name = type(pipe).__name__  # Flux2Pipeline or Flux2KleinPipeline: its LoRA format
         self.text_encoder_out_layers = text_encoder_out_layers  # None: the pipeline's default layers
 
+    tiny_builder = "build_tiny_flux2_pipeline"
+    presets = FLUX2_PRESETS
+    pipeline_class_name = "DiffusionPipeline"  # FLUX.2 [dev] or [klein]: the checkpoint's model_index.json decides
+
     @classmethod
-    def from_config(cls, model_cfg, device="cpu") -> "Flux2Adapter":
-        from diffusers import DiffusionPipeline
-
-        from ..errors import ConfigError
-        from .tiny import build_tiny_flux2_pipeline
-
-        dtype = DTYPES[model_cfg.dtype]
-        layers = None
-        if model_cfg.pretrained in (None, "", "tiny"):
-            pipe, layers = build_tiny_flux2_pipeline(model_cfg.tiny, seed=model_cfg.tiny.init_seed)
-            max_seq = model_cfg.tiny.max_tokens
-        else:
-            source = FLUX2_PRESETS.get(model_cfg.pretrained, model_cfg.pretrained)
-            pipe = load_pipeline(DiffusionPipeline, source, dtype, "FLUX.2")  # its model_index.json names the class
-            if type(pipe).__name__ not in ("Flux2Pipeline", "Flux2KleinPipeline"):
-                raise ConfigError(f"model.pretrained: {source!r} is a {type(pipe).__name__}, not a FLUX.2 pipeline; "
-                                  "set model.family to match it")
-            max_seq = model_cfg.max_sequence_length
-        return cls(pipe, max_sequence_length=max_seq, device=device, dtype=dtype, guidance=model_cfg.guidance,
-                   text_encoder_out_layers=layers, text_encoder_device=model_cfg.text_encoder_device,
-                   vae_tiling=model_cfg.vae_tiling)
+    def options(cls, model_cfg) -> dict:
+        return {"guidance": model_cfg.guidance}
 
     # ---------------------------------------------------------------- geometry, schedule, decoding
     def latent_shape(self, resolution: int) -> tuple[int, int, int]:

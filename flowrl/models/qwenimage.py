@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import DTYPES, PipelineAdapter, PromptEmbeds, load_pipeline
+from .common import PipelineAdapter, PromptEmbeds
 from .flux import pack, unpack
 
 QWEN_PRESETS = {"qwen-image": "Qwen/Qwen-Image"}
@@ -28,20 +28,9 @@ class QwenImageAdapter(PipelineAdapter):
     text_encoder_names = ("text_encoder",)
     variable_length = True
 
-    @classmethod
-    def from_config(cls, model_cfg, device="cpu") -> "QwenImageAdapter":
-        from diffusers import QwenImagePipeline
-
-        from .tiny import build_tiny_qwenimage_pipeline
-
-        dtype = DTYPES[model_cfg.dtype]
-        if model_cfg.pretrained in (None, "", "tiny"):
-            pipe = build_tiny_qwenimage_pipeline(model_cfg.tiny, seed=model_cfg.tiny.init_seed)
-        else:
-            source = QWEN_PRESETS.get(model_cfg.pretrained, model_cfg.pretrained)
-            pipe = load_pipeline(QwenImagePipeline, source, dtype, "Qwen-Image")
-        return cls(pipe, max_sequence_length=model_cfg.max_sequence_length, device=device, dtype=dtype,
-                   text_encoder_device=model_cfg.text_encoder_device, vae_tiling=model_cfg.vae_tiling)
+    tiny_builder = "build_tiny_qwenimage_pipeline"
+    tiny_sequence_length = False  # the pipeline keeps a prompt template ahead of the prompt
+    presets = QWEN_PRESETS
 
     # ---------------------------------------------------------------- geometry, schedule, decoding
     def vae_factor(self) -> int:

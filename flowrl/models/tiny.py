@@ -205,7 +205,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 def build_tiny_flux2_pipeline(tiny, seed: int = 0):
     """A tiny FLUX.2 [klein]-architecture pipeline (Qwen3 text encoder, the offline byte-level tokenizer with a
     chat template, a 2x FLUX.2 VAE with 4 latent channels and batch-norm statistics, no guidance embedding).
-    Returns (pipeline, the text-encoder layers whose states form the prompt embedding)."""
+    Returns (pipeline, {"text_encoder_out_layers": the layers whose states form the prompt embedding})."""
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -233,7 +233,7 @@ def build_tiny_flux2_pipeline(tiny, seed: int = 0):
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
     pipe = Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                               transformer=transformer, is_distilled=False)
-    return pipe, layers
+    return pipe, {"text_encoder_out_layers": layers}
 
 
 def build_tiny_wan_pipeline(tiny, seed: int = 0):

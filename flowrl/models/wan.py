@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import DTYPES, PipelineAdapter, load_pipeline
+from .common import PipelineAdapter
 
 WAN_PRESETS = {"wan2.1-t2v-1.3b": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan2.1-t2v-14b": "Wan-AI/Wan2.1-T2V-14B-Diffusers"}
 WAN_LORA_TARGETS = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
@@ -29,22 +29,12 @@ class WanAdapter(PipelineAdapter):
         super().__init__(pipe, max_sequence_length, device, dtype, **options)
         self.num_frames = num_frames
 
+    tiny_builder = "build_tiny_wan_pipeline"
+    presets = WAN_PRESETS
+
     @classmethod
-    def from_config(cls, model_cfg, device="cpu") -> "WanAdapter":
-        from diffusers import WanPipeline
-
-        from .tiny import build_tiny_wan_pipeline
-
-        dtype = DTYPES[model_cfg.dtype]
-        if model_cfg.pretrained in (None, "", "tiny"):
-            pipe = build_tiny_wan_pipeline(model_cfg.tiny, seed=model_cfg.tiny.init_seed)
-            max_seq = model_cfg.tiny.max_tokens
-        else:
-            source = WAN_PRESETS.get(model_cfg.pretrained, model_cfg.pretrained)
-            pipe = load_pipeline(WanPipeline, source, dtype, "Wan")
-            max_seq = model_cfg.max_sequence_length
-        return cls(pipe, max_sequence_length=max_seq, device=device, dtype=dtype, num_frames=model_cfg.num_frames,
-                   text_encoder_device=model_cfg.text_encoder_device, vae_tiling=model_cfg.vae_tiling)
+    def options(cls, model_cfg) -> dict:
+        return {"num_frames": model_cfg.num_frames}
 
     # ---------------------------------------------------------------- geometry, schedule, decoding
     @property
