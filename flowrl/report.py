@@ -159,6 +159,7 @@ def save_grid(images: torch.Tensor, nrow: int, path: Path, min_size: int = 64,
     written beside it (``<name>.gif``)."""
     if images.ndim == 5:
         save_video_grid(images, nrow, path.with_suffix(".gif"), min_size)
+        save_video_grid(images, nrow, path.with_suffix(".mp4"), min_size)
         n, f = images.shape[:2]
         strips = images.permute(0, 2, 3, 1, 4).reshape(n, images.shape[2], images.shape[3], f * images.shape[4])
         return save_grid(strips, nrow, path, min_size, row_labels, (title or "") + f" ({f} frames per sample)")
@@ -191,23 +192,44 @@ def save_grid(images: torch.Tensor, nrow: int, path: Path, min_size: int = 64,
 
 
 def save_video_grid(videos: torch.Tensor, nrow: int, path: Path, min_size: int = 64, fps: int = 8) -> Path:
-    """videos (N, F, 3, H, W) in [0, 1] -> an animated GIF whose frame k is the grid of every sample's frame k
-    (Pillow's GIF writer; written to a temporary name and renamed, like every output)."""
-    from PIL import Image
+    """videos (N, F, 3, H, W) in [0, 1] -> a video whose frame k is the grid of every sample's frame k: an
+    animated GIF (Pillow) or, for ``.mp4``, H.264 through PyAV; written to a temporary name and renamed."""
     from torchvision.utils import make_grid
 
-    frames = []
+    frames = []  # (H, W, 3) uint8 grids
     for k in range(videos.shape[1]):
         x = videos[:, k].clamp(0, 1)
         if x.shape[-1] < min_size:
             x = torch.nn.functional.interpolate(x, scale_factor=min_size // x.shape[-1], mode="nearest")
         grid = make_grid(x, nrow=nrow, padding=2, pad_value=1.0)
-        frames.append(Image.fromarray((grid.permute(1, 2, 0) * 255).round().byte().numpy()))
+        frames.append((grid.permute(1, 2, 0) * 255).round().byte().numpy())
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    frames[0].save(tmp, format="GIF", save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    if path.suffix == ".mp4":
+        _write_mp4(frames, tmp, fps)
+    else:
+        from PIL import Image
+
+        images = [Image.fromarray(f) for f in frames]
+        images[0].save(tmp, format="GIF", save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0)
     os.replace(tmp, path)
     return path
+
+
+def _write_mp4(frames: list, path: Path, fps: int) -> None:
+    import av
+    import numpy as np
+
+    h, w = frames[0].shape[:2]
+    with av.open(str(path), mode="w") as out:
+        stream = out.add_stream("libx264", rate=fps)
+        stream.width, stream.height = w + w % 2, h + h % 2  # yuv420p needs even sizes
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": "18"}
+        for f in frames:
+            f = np.pad(f, ((0, h % 2), (0, w % 2), (0, 0)), constant_values=255)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        out.mux(stream.encode())
 
 
 # ------------------------------------------------------------------------------------------- compare

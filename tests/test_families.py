@@ -146,6 +146,12 @@ def test_video_grids_are_a_frame_strip_and_a_gif(tmp_path):
     tile = torch.from_numpy(np.array(gif.convert("RGB"))).float()
     expect = torch.nn.functional.interpolate(videos[:, 2], scale_factor=8, mode="nearest")[0].permute(1, 2, 0) * 255
     assert torch.equal(tile[2:66, 2:66], expect)
+    import av
+
+    with av.open(str(tmp_path / "g.mp4")) as container:  # the same grid as H.264 (lossy: compared loosely)
+        decoded = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(decoded) == 5 and decoded[0].shape[:2] == (gif.height, gif.width)
+    assert abs(torch.from_numpy(decoded[2][2:66, 2:66]).float() - expect).mean() < 20
 
 
 def test_flux_sigmas_are_the_pipelines():
