@@ -184,6 +184,8 @@ class Trainer:
             b = data.get("before", {})
             title = (f"held-out prompts: left before | right after   all-correct {b.get('all', float('nan')):.2f} -> "
                      f"{result.get('all', float('nan')):.2f}")
+            if "background_noise" in result:  # reward hacking in miniature: texture the checker ignores
+                title += f"   background noise {b.get('background_noise', float('nan')):.1f} -> {result['background_noise']:.1f}"
             report.save_grid(report.side_by_side(before, grid, cols), 2 * cols, self.run_dir / "before_after.png",
                              row_labels=labels, title=title)
         return result

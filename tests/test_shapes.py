@@ -87,3 +87,31 @@ def test_out_of_vocabulary_prompt_is_an_error():
     x = as_batch([render(ShapeSpec("square", "red", "blue"), 32, 0)])
     with pytest.raises(RewardError, match="cannot judge the prompt 'a photo of a cat'"):
         build_reward("shapes")(x, ["a photo of a cat"])
+
+
+def test_background_noise_and_per_shape_accuracy():
+    """Cleanliness is 0 on rendered ground truth and follows added background noise; the evaluator reports the
+    all-three accuracy per asked shape."""
+    from flowrl.shapes.evaluate import shapes_accuracy
+    from flowrl.shapes.reward import attribute_scores
+
+    specs = all_specs()[:8]
+    clean = torch.stack([torch.from_numpy(render(s, 32, k)).permute(2, 0, 1).float() / 255 for k, s in enumerate(specs)])
+    s = attribute_scores(clean, [sp.prompt for sp in specs])
+    assert s["bg_noise"].max() == 0.0
+    noisy = clean + torch.randn(clean.shape, generator=torch.Generator().manual_seed(0)) * (6 / 255)
+    s = attribute_scores(noisy.clamp(0, 1), [sp.prompt for sp in specs])
+    assert 3.0 < s["bg_noise"].mean() < 7.0  # ~6 per channel, less where clamping at 0 or 255 cuts it
+
+    def sampler(prompts, seeds):  # draws the ground truth for circles and a blank canvas for everything else
+        out = []
+        for p in prompts:
+            for _ in seeds:
+                spec = parse_prompt(p)
+                img = render(spec, 32, 0) if spec.shape == "circle" else render(spec, 32, 0) * 0 + 255
+                out.append(torch.from_numpy(img).permute(2, 0, 1).float() / 255)
+        return torch.stack(out)
+
+    result = shapes_accuracy(sampler, [0], split="shapes-heldout")
+    assert result["per_shape"]["circle"] == 1.0 and all(v == 0.0 for k, v in result["per_shape"].items() if k != "circle")
+    assert set(result["per_shape"]) <= set(SHAPES)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .domain import heldout_prompts, train_prompts
+from .domain import SHAPES, heldout_prompts, parse_prompt, train_prompts
 from .reward import attribute_scores
 
 SPLITS = {"shapes-heldout": heldout_prompts, "shapes-train": train_prompts}
@@ -18,10 +18,15 @@ def shapes_accuracy(sampler, seeds: list[int], split: str = "shapes-heldout", re
     images = sampler(prompts, seeds)
     s = attribute_scores(images, [p for p in prompts for _ in seeds])
     both = s["bg_ok"] * s["color_ok"] * s["shape_ok"]
+    shapes = [parse_prompt(p).shape for p in prompts for _ in seeds]
     result = {"split": split, "images": len(both), "background": round(float(s["bg_ok"].mean()), 4),
               "color": round(float(s["color_ok"].mean()), 4), "shape": round(float(s["shape_ok"].mean()), 4),
               "all": round(float(both.mean()), 4),
-              "reward": round(float(((s["bg_score"] + s["color_score"] + s["shape_score"]) / 3).mean()), 4)}
+              "reward": round(float(((s["bg_score"] + s["color_score"] + s["shape_score"]) / 3).mean()), 4),
+              "background_noise": round(float(s["bg_noise"].mean()), 3),  # cleanliness (lower is cleaner)
+              # all-three accuracy per asked shape: where the model is weak, and what training fixes
+              "per_shape": {k: round(float(both[[sh == k for sh in shapes]].mean()), 4) for k in SHAPES
+                            if k in shapes}}
     return (result, images) if return_images else result
 
 

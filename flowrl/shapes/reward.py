@@ -92,13 +92,18 @@ def _specs(prompts: list[str]) -> list[ShapeSpec]:
 
 
 def attribute_scores(images: torch.Tensor, prompts: list[str]) -> dict[str, np.ndarray]:
-    """Continuous per-attribute scores in [0, 1] and strict correctness, each (N,)."""
+    """Continuous per-attribute scores in [0, 1], strict correctness and background noise, each (N,)."""
     specs = _specs(prompts)
     out = {k: np.zeros(len(specs)) for k in ("bg_score", "color_score", "shape_score", "shape_margin", "bg_ok",
-                                              "color_ok", "shape_ok")}
+                                              "color_ok", "shape_ok", "bg_noise")}
     for i, (img, spec) in enumerate(zip(_to_uint8(images), specs)):
         a = analyse(img)
         want_bg, want_color = NAMES.index(spec.background), NAMES.index(spec.color)
+        # cleanliness: RMS distance (0..255 per channel) of the pixels read as the asked background from that
+        # exact colour; 0 for a flat background, and the texture GRPO can add to it raises it (the checker does not)
+        on_bg = a["idx"] == want_bg
+        if on_bg.any():
+            out["bg_noise"][i] = float(np.sqrt(((img[on_bg] - PALETTE[want_bg]) ** 2).mean()))
         out["bg_score"][i] = float((a["border"] == want_bg).mean())
         fg = a["idx"] != want_bg
         out["color_score"][i] = float((a["idx"][fg] == want_color).mean()) if fg.any() else 0.0
