@@ -141,7 +141,6 @@ def cmd_eval(args) -> int:
     --prompts / --reward, the papers' reward table (mean and std per metric) on a prompt file, also as CSV."""
     from .evaluate import format_table, reward_table
     from .models import load_adapter
-    from .registry import EVALUATORS, resolve
     from .report import write_csv
     from .sampling import Sampler, resolve_device
 
@@ -172,8 +171,6 @@ def cmd_eval(args) -> int:
         specs = ([RewardSpec(name=n, args=reward_args[i] if i < len(reward_args) else {}) for i, n in enumerate(names)]
                  or cfg.rewards)
         reward_set = build_reward_set(specs)
-    else:
-        evaluator = resolve(EVALUATORS, "shapes", "eval")()
     adapter = load_adapter(cfg.model, resolve_device(cfg.device))
     if ckpt is not None:
         _load_checkpoint_into(adapter, cfg, ckpt)
@@ -184,7 +181,7 @@ def cmd_eval(args) -> int:
     if not table_mode:
         from .shapes.evaluate import shapes_accuracy
 
-        result = shapes_accuracy(sampler, seeds, split=args.split) if args.split != "shapes-heldout" else evaluator(sampler, seeds)
+        result = shapes_accuracy(sampler, seeds, split=args.split)
         result.update(info)
         print(json.dumps(result))
         return 0

@@ -10,7 +10,6 @@ import torch
 from .engine import rollout
 from .errors import ConfigError
 from .samplers import RolloutPlan, StepSpec, make_sigmas
-from .samplers.schedules import dynamic_shift_mu
 
 
 def resolve_device(name: str) -> torch.device:
@@ -35,9 +34,7 @@ def sigmas_for(cfg, adapter, num_steps: int) -> torch.Tensor:
     sched_cfg = adapter.scheduler_config
     mu = None
     if s.schedule == "dynamic_shift" or sched_cfg.get("use_dynamic_shifting", False):
-        seq = adapter.image_seq_len(cfg.model.resolution)
-        mu = dynamic_shift_mu(seq, sched_cfg.get("base_image_seq_len", 256), sched_cfg.get("max_image_seq_len", 4096),
-                              sched_cfg.get("base_shift", 0.5), sched_cfg.get("max_shift", 1.15))
+        mu = adapter.shift_mu(num_steps, cfg.model.resolution)
     return make_sigmas(s.schedule, num_steps, shift=s.shift, mu=mu, scheduler_config=sched_cfg)
 
 

@@ -41,7 +41,7 @@ from .registry import EVALUATORS, resolve
 from .rewards import build_reward_set
 from .rewards.registry import RewardScores
 from .samplers.kernels import step as kernel_step
-from .sampling import Sampler, peak_memory_mb, resolve_device, sample_images, sigmas_for
+from .sampling import Sampler, peak_memory_mb, resolve_device
 
 
 class Trainer:
@@ -68,11 +68,11 @@ class Trainer:
         self.latent_shape = self.adapter.latent_shape(cfg.model.resolution)
         self.policy = Policy(cfg, self.adapter, self.device)
         self.accelerator = self.policy.accelerator
-        self.sigmas = sigmas_for(cfg, self.adapter, cfg.sampler.num_steps)
-        self.negative = None
-        if cfg.sampler.guidance_scale > 1.0:
-            self.negative = self.adapter.encode_prompts([cfg.sampler.negative_prompt])
-        self.context = AlgorithmContext(self.prompts, self.rewards, self._sample_on_rollout_grid)
+        # ODE sampling on the rollout grid (AdaGRPO's anchors) and on the evaluation grid (grids, held-out)
+        self.rollout_sampler = Sampler(cfg, self.adapter, num_steps=cfg.sampler.num_steps)
+        self.eval_sampler = Sampler(cfg, self.adapter)
+        self.sigmas, self.negative = self.rollout_sampler.sigmas, self.rollout_sampler.negative
+        self.context = AlgorithmContext(self.prompts, self.rewards, self.rollout_sampler)
         if resume_ckpt is not None:
             self._load(resume_ckpt)
         self.folder.open(cfg, self.start_iteration if resume_ckpt is not None else None,
@@ -82,10 +82,6 @@ class Trainer:
         if rows:
             self._cumulative = {k: rows[-1].get(k, 0) for k in self._cumulative}
         self._stop_signal = None
-
-    def _sample_on_rollout_grid(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
-        return sample_images(self.adapter, prompts, seeds, self.sigmas, self.latent_shape,
-                             self.cfg.sampler.guidance_scale, self.negative, self.cfg.sampler.max_batch)
 
     # ------------------------------------------------------------------------------------------ resume
     @staticmethod
@@ -170,7 +166,7 @@ class Trainer:
         """The held-out evaluation (log.eval) of the (EMA) policy, written to eval.json, and a before | after
         grid of the evaluator's chosen samples."""
         with self.policy.ema_weights():
-            result, grid, labels = self.evaluator(Sampler(self.cfg, self.adapter), self.cfg.log.eval_seeds, grid=True)
+            result, grid, labels = self.evaluator(self.eval_sampler, self.cfg.log.eval_seeds, grid=True)
         path = self.run_dir / "eval.json"
         data = json.loads(path.read_text()) if path.is_file() else {}
         data[when] = result
@@ -197,7 +193,7 @@ class Trainer:
         if self.evaluator is None or not cfg.log.eval_every:
             return
         with self.policy.ema_weights():
-            result = self.evaluator(Sampler(cfg, self.adapter), cfg.log.eval_seeds[: cfg.log.eval_curve_seeds])
+            result = self.evaluator(self.eval_sampler, cfg.log.eval_seeds[: cfg.log.eval_curve_seeds])
         report.append_metrics(self.curve_path, {"iteration": done, **self._cumulative, **result})
 
     # ------------------------------------------------------------------------------------------ one iteration
@@ -410,7 +406,7 @@ class Trainer:
         prompts = cfg.data.sample_prompts or self.prompts.prompts[:4]
         seeds = cfg.data.sample_seeds
         with self.policy.ema_weights():
-            images = Sampler(cfg, self.adapter)(prompts, seeds)
+            images = self.eval_sampler(prompts, seeds)
         return report.save_grid(images, len(seeds), self.run_dir / "samples" / f"iter_{it:05d}.png", row_labels=prompts,
                                 title=f"iteration {it} (ODE, {cfg.sampler.eval_num_steps} steps; seeds {seeds})")
 

@@ -73,6 +73,6 @@ def test_sd3_adapter_implements_the_protocol(tiny_adapter):
     assert tiny_adapter.scheduler_config["shift"] == 1.0  # the tiny model's FlowMatchEulerDiscreteScheduler
     # the protocol names exactly what the engine, trainer and sampler call on an adapter
     members = {"family", "transformer", "device", "lora_targets", "encode_prompts", "velocity", "latent_shape",
-               "image_seq_len", "scheduler_config", "decode", "reference", "save_lora"}
+               "image_seq_len", "scheduler_config", "decode", "reference", "save_lora", "shift_mu", "default_sigmas"}
     declared = {n for n in vars(ModelAdapter) if not n.startswith("_")} | set(ModelAdapter.__annotations__)
     assert declared == members

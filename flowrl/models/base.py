@@ -42,6 +42,12 @@ class ModelAdapter(Protocol):
     def image_seq_len(self, resolution: int) -> int:
         """Transformer tokens per sample (dynamic shift)."""
 
+    def shift_mu(self, num_steps: int, resolution: int) -> float:
+        """mu of the family's resolution-dependent time shift."""
+
+    def default_sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+        """The (num_steps + 1,) sigma grid the family's diffusers pipeline uses."""
+
     @property
     def scheduler_config(self) -> dict:
         """The family's FlowMatchEulerDiscreteScheduler config (shift, dynamic shifting)."""

@@ -13,6 +13,12 @@ import torch
 from ..errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The attention projections of a joint (dual-stream) transformer block, as diffusers names them in SD3, FLUX and
+# Qwen-Image: Flow-GRPO's SD3 LoRA targets (spec/anchors.md 2.2), which its FLUX and Qwen-Image scripts reuse.
+JOINT_ATTENTION_LORA_TARGETS = [
+    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+    "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
+]
 
 
 @dataclass
@@ -23,6 +29,13 @@ class PromptEmbeds:
 
     def index(self, idx: torch.Tensor) -> "PromptEmbeds":
         return PromptEmbeds(self.embeds[idx], self.pooled[idx], None if self.mask is None else self.mask[idx])
+
+    def padded(self, length: int) -> "PromptEmbeds":
+        """The same rows zero-padded to ``length`` tokens, with the mask that marks the real ones."""
+        n, cur = self.embeds.shape[:2]
+        mask = self.mask if self.mask is not None else self.embeds.new_ones(n, cur, dtype=torch.long)
+        return PromptEmbeds(torch.nn.functional.pad(self.embeds, (0, 0, 0, length - cur)), self.pooled,
+                            torch.nn.functional.pad(mask, (0, length - cur)))
 
 
 def load_pipeline(pipeline_class, source: str, dtype: torch.dtype, family: str, **kwargs):
@@ -43,7 +56,12 @@ class PipelineAdapter:
     variable_length = False  # prompts encode to different token counts (padded, with a mask)
 
     def __init__(self, pipe, max_sequence_length: int = 256, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, text_encoder_device: str = "same", vae_tiling: bool = False):
+                 dtype: torch.dtype = torch.float32, text_encoder_device: str = "same", vae_tiling: bool = False,
+                 **family):
+        for name, value in family.items():  # the family's own settings (guidance, frames, ...), class defaults
+            if not hasattr(type(self), name):
+                raise TypeError(f"{type(self).__name__} has no setting {name!r}")
+            setattr(self, name, value)
         self.pipe = pipe
         self.transformer = pipe.transformer
         self.vae = pipe.vae
@@ -80,10 +98,12 @@ class PipelineAdapter:
         out = getattr(tiny_models, cls.tiny_builder)(tiny, seed=tiny.init_seed)
         return out if isinstance(out, tuple) else (out, {})
 
+    family_options: tuple[str, ...] = ()  # settings read from the ``model`` config section of the same name
+
     @classmethod
     def options(cls, model_cfg) -> dict:
-        """Family-specific constructor options from ``model`` (guidance, frames, ...)."""
-        return {}
+        """Family-specific constructor settings from ``model`` (guidance, frames, ...)."""
+        return {name: getattr(model_cfg, name) for name in cls.family_options}
 
     @classmethod
     def from_config(cls, model_cfg, device="cpu"):
@@ -117,40 +137,47 @@ class PipelineAdapter:
             embeds, pooled = self._encode_one(p)
             self._cache[p] = (embeds.float().to(self.device), pooled.float().to(self.device))
         pooled = torch.stack([self._cache[p][1] for p in prompts])
-        lengths = [self._cache[p][0].shape[0] for p in prompts]
         if not self.variable_length:
             return PromptEmbeds(torch.stack([self._cache[p][0] for p in prompts]), pooled)
-        width = max(lengths)  # (N, L_max, D) zero-padded, with its mask
-        embeds = torch.stack([torch.nn.functional.pad(self._cache[p][0], (0, 0, 0, width - n))
-                              for p, n in zip(prompts, lengths)])
-        mask = torch.stack([(torch.arange(width, device=self.device) < n).long() for n in lengths])
-        return PromptEmbeds(embeds, pooled, mask)
+        rows = [PromptEmbeds(self._cache[p][0][None], pooled[k: k + 1]) for k, p in enumerate(prompts)]
+        width = max(r.embeds.shape[1] for r in rows)  # (N, L_max, D) zero-padded, with its mask
+        rows = [r.padded(width) for r in rows]
+        return PromptEmbeds(torch.cat([r.embeds for r in rows]), pooled, torch.cat([r.mask for r in rows]))
 
     # ---------------------------------------------------------------- velocity
-    def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        """The transformer's velocity for x (B, *latent) at sigma (B,), fp32 out."""
+    def _forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds) -> torch.Tensor:
+        """The transformer's velocity for x (B, *latent) at sigma (B,), cond rows aligned with x; fp32 out."""
         raise NotImplementedError
+
+    def _guide(self, v_neg: torch.Tensor, v_pos: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        """True CFG's combination of the two velocities (B, *latent)."""
+        return v_neg + guidance_scale * (v_pos - v_neg)
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds, guidance_scale: float = 1.0,
                  negative: PromptEmbeds | None = None) -> torch.Tensor:
         """v(x, sigma | prompt) for a batch; x (B, *latent) fp32, sigma (B,), cond rows aligned with x.
 
-        With ``guidance_scale > 1`` and a negative embedding the batch is doubled ``[neg; pos]`` and
-        ``v = v_neg + g (v_pos - v_neg)`` (true CFG). Returns fp32 (B, *latent).
+        With ``guidance_scale > 1`` and a negative embedding the batch is doubled ``[neg; pos]`` (prompts of
+        different token counts padded to one length, with masks) and combined by :meth:`_guide`.
+        Returns fp32 (B, *latent).
         """
         b = x.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(b)
-        embeds, pooled = cond.embeds, cond.pooled
         use_cfg = guidance_scale > 1.0 and negative is not None
         if use_cfg:
+            neg = PromptEmbeds(negative.embeds.expand(b, -1, -1), negative.pooled.expand(b, -1),
+                               None if negative.mask is None else negative.mask.expand(b, -1))
+            if neg.mask is not None or cond.mask is not None or neg.embeds.shape[1] != cond.embeds.shape[1]:
+                width = max(neg.embeds.shape[1], cond.embeds.shape[1])
+                neg, cond = neg.padded(width), cond.padded(width)
             x = torch.cat([x, x])
             sigma = torch.cat([sigma, sigma])
-            embeds = torch.cat([negative.embeds.expand_as(embeds), embeds])
-            pooled = torch.cat([negative.pooled.expand_as(pooled), pooled])
-        out = self._forward(x, sigma, embeds, pooled)
+            cond = PromptEmbeds(torch.cat([neg.embeds, cond.embeds]), torch.cat([neg.pooled, cond.pooled]),
+                                None if cond.mask is None else torch.cat([neg.mask, cond.mask]))
+        out = self._forward(x, sigma, cond)
         if use_cfg:
             v_neg, v_pos = out.chunk(2)
-            out = v_neg + guidance_scale * (v_pos - v_neg)
+            out = self._guide(v_neg, v_pos, guidance_scale)
         return out
 
     # ---------------------------------------------------------------- geometry and schedule
@@ -167,28 +194,29 @@ class PipelineAdapter:
 
     def default_sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
         """The sigmas the family's diffusers pipeline uses (its scheduler's own grid, dynamic shift included)."""
-        from ..samplers.schedules import diffusers_sigmas, dynamic_shift_mu
+        from ..samplers.schedules import diffusers_sigmas
 
         c = self.scheduler_config
-        mu = None
-        if c.get("use_dynamic_shifting", False):
-            mu = dynamic_shift_mu(self.image_seq_len(resolution), c.get("base_image_seq_len", 256),
-                                  c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        mu = self.shift_mu(num_steps, resolution) if c.get("use_dynamic_shifting", False) else None
         return diffusers_sigmas(c, num_steps, mu)
 
-    def linspace_shifted_sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
-        """FluxPipeline's and QwenImagePipeline's grid: sigmas linspace(1, 1/T, T), shifted with mu from the
-        packed token count, then a final 0."""
-        import numpy as np
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
+    def shift_mu(self, num_steps: int, resolution: int) -> float:
+        """mu of the resolution-dependent time shift: linear in the token count (FLUX.1, Qwen-Image, SD3.5)."""
         from ..samplers.schedules import dynamic_shift_mu
 
         c = self.scheduler_config
-        mu = dynamic_shift_mu(self.image_seq_len(resolution), c.get("base_image_seq_len", 256),
-                              c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-        sched = FlowMatchEulerDiscreteScheduler.from_config(c)
-        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), device="cpu", mu=mu)
+        return dynamic_shift_mu(self.image_seq_len(resolution), c.get("base_image_seq_len", 256),
+                                c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+
+    def linspace_shifted_sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+        """FluxPipeline's, Flux2Pipeline's and QwenImagePipeline's grid: sigmas linspace(1, 1/T, T), shifted
+        with :meth:`shift_mu`, then a final 0."""
+        import numpy as np
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        sched = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), device="cpu",
+                            mu=self.shift_mu(num_steps, resolution))
         return sched.sigmas.detach().float().clone()
 
     # ---------------------------------------------------------------- images

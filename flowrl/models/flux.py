@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from .common import PipelineAdapter
+from .common import JOINT_ATTENTION_LORA_TARGETS, PipelineAdapter
 
 FLUX_PRESETS = {
     "flux.1-dev": "black-forest-labs/FLUX.1-dev",
     "flux.1-schnell": "black-forest-labs/FLUX.1-schnell",
 }
-# The attention projections of the double- and single-stream blocks (DanceGRPO's FLUX LoRA targets are
-# to_k / to_q / to_v / to_out.0; the added-context projections of the double blocks join them, as for SD3).
-FLUX_LORA_TARGETS = [
-    "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
-    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-]
+# the joint blocks' attention projections; the single-stream blocks name theirs to_q / to_k / to_v as well, so
+# the same suffixes reach them (DanceGRPO's FLUX LoRA targets are to_k / to_q / to_v / to_out.0)
+FLUX_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
 
 
 def pack(x: torch.Tensor) -> torch.Tensor:
@@ -52,17 +49,10 @@ class FluxAdapter(PipelineAdapter):
     lora_targets = FLUX_LORA_TARGETS
     text_encoder_names = ("text_encoder", "text_encoder_2")
 
-    def __init__(self, pipe, max_sequence_length: int = 512, device="cpu", dtype=torch.float32, guidance: float = 3.5,
-                 **options):
-        super().__init__(pipe, max_sequence_length, device, dtype, **options)
-        self.guidance = guidance
-
     tiny_builder = "build_tiny_flux_pipeline"
     presets = FLUX_PRESETS
-
-    @classmethod
-    def options(cls, model_cfg) -> dict:
-        return {"guidance": model_cfg.guidance}
+    family_options = ("guidance",)
+    guidance = 3.5  # FLUX.1-dev's distilled guidance (model.guidance)
 
     # ---------------------------------------------------------------- geometry and schedule
     def latent_shape(self, resolution: int) -> tuple[int, int, int]:
@@ -82,8 +72,9 @@ class FluxAdapter(PipelineAdapter):
                                                     max_sequence_length=self.max_sequence_length)
         return embeds[0], pooled[0]
 
-    def _forward(self, x, sigma, embeds, pooled):
+    def _forward(self, x, sigma, cond):
         b, _, h, w = x.shape
+        embeds, pooled = cond.embeds, cond.pooled
         guidance = None
         if self.transformer.config.guidance_embeds:  # FLUX.1-dev's distilled guidance, one value per sample
             guidance = torch.full((b,), self.guidance, device=x.device, dtype=torch.float32)

@@ -13,13 +13,12 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
-from .common import PipelineAdapter
+from .common import JOINT_ATTENTION_LORA_TARGETS, PipelineAdapter
 
 FLUX2_PRESETS = {"flux.2-dev": "black-forest-labs/FLUX.2-dev", "flux.2-klein-4b": "black-forest-labs/FLUX.2-klein-4B",
                  "flux.2-klein-base-4b": "black-forest-labs/FLUX.2-klein-base-4B"}
 # the double blocks' attention projections and the single blocks' fused qkv + MLP input projection
-FLUX2_LORA_TARGETS = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
-                      "attn.add_v_proj", "attn.to_add_out", "attn.to_qkv_mlp_proj"]
+FLUX2_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS + ["attn.to_qkv_mlp_proj"]
 
 
 def token_ids(h: int, w: int) -> torch.Tensor:
@@ -32,23 +31,19 @@ class Flux2Adapter(PipelineAdapter):
     lora_targets = FLUX2_LORA_TARGETS
     text_encoder_names = ("text_encoder",)
 
-    def __init__(self, pipe, max_sequence_length: int = 512, device="cpu", dtype=torch.float32, guidance: float = 4.0,
-                 text_encoder_out_layers: tuple[int, ...] | None = None, **options):
-        super().__init__(pipe, max_sequence_length, device, dtype, **options)
-        self.guidance = guidance
-        if type(pipe).__name__ not in ("Flux2Pipeline", "Flux2KleinPipeline"):
-            raise ConfigError(f"model.pretrained: the checkpoint is a {type(pipe).__name__}, not a FLUX.2 pipeline; "
-                              "set model.family to match it")
-        self.pipeline_class_name = type(pipe).__name__  # Flux2Pipeline or Flux2KleinPipeline: its LoRA format
-        self.text_encoder_out_layers = text_encoder_out_layers  # None: the pipeline's default layers
-
     tiny_builder = "build_tiny_flux2_pipeline"
     presets = FLUX2_PRESETS
     pipeline_class_name = "DiffusionPipeline"  # FLUX.2 [dev] or [klein]: the checkpoint's model_index.json decides
+    family_options = ("guidance",)
+    guidance = 4.0  # FLUX.2 [dev]'s guidance embedding (model.guidance); klein has none
+    text_encoder_out_layers: tuple[int, ...] | None = None  # None: the pipeline's default layers
 
-    @classmethod
-    def options(cls, model_cfg) -> dict:
-        return {"guidance": model_cfg.guidance}
+    def __init__(self, pipe, *args, **kwargs):
+        if type(pipe).__name__ not in ("Flux2Pipeline", "Flux2KleinPipeline"):
+            raise ConfigError(f"model.pretrained: the checkpoint is a {type(pipe).__name__}, not a FLUX.2 pipeline; "
+                              "set model.family to match it")
+        super().__init__(pipe, *args, **kwargs)
+        self.pipeline_class_name = type(pipe).__name__  # Flux2Pipeline or Flux2KleinPipeline: its LoRA format
 
     # ---------------------------------------------------------------- geometry, schedule, decoding
     def latent_shape(self, resolution: int) -> tuple[int, int, int]:
@@ -59,15 +54,13 @@ class Flux2Adapter(PipelineAdapter):
         _, h, w = self.latent_shape(resolution)
         return h * w
 
-    def default_sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
-        import numpy as np
-        from diffusers import FlowMatchEulerDiscreteScheduler
+    def shift_mu(self, num_steps: int, resolution: int) -> float:
         from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
-        sched = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
-        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), device="cpu",
-                            mu=compute_empirical_mu(self.image_seq_len(resolution), num_steps))
-        return sched.sigmas.detach().float().clone()
+        return compute_empirical_mu(self.image_seq_len(resolution), num_steps)  # FLUX.2's fit in (tokens, T)
+
+    def default_sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+        return self.linspace_shifted_sigmas(num_steps, resolution)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -88,8 +81,9 @@ class Flux2Adapter(PipelineAdapter):
                                             max_sequence_length=self.max_sequence_length, **kwargs)
         return embeds[0], embeds.new_zeros(0)
 
-    def _forward(self, x, sigma, embeds, pooled):
+    def _forward(self, x, sigma, cond):
         b, c, h, w = x.shape
+        embeds = cond.embeds
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.full((b,), self.guidance, device=x.device, dtype=torch.float32)

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from .common import PipelineAdapter, PromptEmbeds
+from .common import JOINT_ATTENTION_LORA_TARGETS, PipelineAdapter, PromptEmbeds
 from .flux import pack, unpack
 
 QWEN_PRESETS = {"qwen-image": "Qwen/Qwen-Image"}
-# the attention projections of the dual-stream blocks (Flow-GRPO's Qwen-Image LoRA targets)
-QWEN_LORA_TARGETS = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
-                     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out"]
+QWEN_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS  # its dual-stream blocks name them as SD3 and FLUX do
 
 
 class QwenImageAdapter(PipelineAdapter):
@@ -63,7 +61,7 @@ class QwenImageAdapter(PipelineAdapter):
                                             max_sequence_length=self.max_sequence_length)
         return embeds[0], embeds.new_zeros(0)
 
-    def _transformer(self, x, sigma, cond: PromptEmbeds) -> torch.Tensor:
+    def _forward(self, x, sigma, cond: PromptEmbeds) -> torch.Tensor:
         b, _, h, w = x.shape
         mask = cond.mask if cond.mask is not None else torch.ones(cond.embeds.shape[:2], dtype=torch.long,
                                                                   device=x.device)
@@ -72,18 +70,12 @@ class QwenImageAdapter(PipelineAdapter):
             hidden_states=pack(x).to(self.dtype), timestep=t / 1000, encoder_hidden_states=cond.embeds.to(self.dtype),
             encoder_hidden_states_mask=mask, img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False,
         )[0]
-        return out.float()  # (B, h/2 * w/2, 4C) packed
+        return unpack(out.float(), h, w)
 
-    def velocity(self, x, sigma, cond: PromptEmbeds, guidance_scale: float = 1.0, negative=None) -> torch.Tensor:
-        """Conditional velocity; with true CFG, ``v_neg + g (v_pos - v_neg)`` rescaled per packed token to the
-        norm of ``v_pos`` (QwenImagePipeline's rule). x (B, C, h, w) fp32 -> (B, C, h, w) fp32."""
-        b, _, h, w = x.shape
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(b)
-        v_pos = self._transformer(x, sigma, cond)
-        if guidance_scale > 1.0 and negative is not None:
-            neg = PromptEmbeds(negative.embeds.expand(b, -1, -1), negative.pooled.expand(b, -1),
-                               None if negative.mask is None else negative.mask.expand(b, -1))
-            v_neg = self._transformer(x, sigma, neg)
-            comb = v_neg + guidance_scale * (v_pos - v_neg)
-            v_pos = comb * (v_pos.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))
-        return unpack(v_pos, h, w)
+    def _guide(self, v_neg, v_pos, guidance_scale):
+        """QwenImagePipeline's true CFG: ``v_neg + g (v_pos - v_neg)`` rescaled per packed token (the 4C values
+        of one 2x2 patch) to the norm of ``v_pos``."""
+        h, w = v_pos.shape[-2:]
+        pos, neg = pack(v_pos), pack(v_neg)  # (B, h/2 * w/2, 4C)
+        comb = neg + guidance_scale * (pos - neg)
+        return unpack(comb * (pos.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True)), h, w)

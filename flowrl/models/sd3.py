@@ -12,18 +12,14 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from .common import DTYPES, PipelineAdapter, load_pipeline
+from .common import DTYPES, JOINT_ATTENTION_LORA_TARGETS, PipelineAdapter, load_pipeline
 
 SD3_PRESETS = {
     "sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
     "sd3.5-large": "stabilityai/stable-diffusion-3.5-large",
     "sd3-medium": "stabilityai/stable-diffusion-3-medium-diffusers",
 }
-# Flow-GRPO's SD3 LoRA targets (spec/anchors.md 2.2).
-SD3_LORA_TARGETS = [
-    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-    "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
-]
+SD3_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
 
 
 def load_sd3_pipeline(name_or_path: str, dtype: torch.dtype, allow_t5: bool = True):
@@ -86,9 +82,10 @@ class SD3Adapter(PipelineAdapter):
         )
         return embeds[0], pooled[0]
 
-    def _forward(self, x, sigma, embeds, pooled):
+    def _forward(self, x, sigma, cond):
         timestep = sigma * 1000.0  # diffusers' SD3 convention: t = sigma * num_train_timesteps
         return self.transformer(
             hidden_states=x.to(self.dtype), timestep=timestep.to(self.dtype),
-            encoder_hidden_states=embeds.to(self.dtype), pooled_projections=pooled.to(self.dtype), return_dict=False,
+            encoder_hidden_states=cond.embeds.to(self.dtype), pooled_projections=cond.pooled.to(self.dtype),
+            return_dict=False,
         )[0].float()

@@ -24,17 +24,10 @@ class WanAdapter(PipelineAdapter):
     lora_targets = WAN_LORA_TARGETS
     text_encoder_names = ("text_encoder",)
 
-    def __init__(self, pipe, max_sequence_length: int = 512, device="cpu", dtype=torch.float32, num_frames: int = 17,
-                 **options):
-        super().__init__(pipe, max_sequence_length, device, dtype, **options)
-        self.num_frames = num_frames
-
     tiny_builder = "build_tiny_wan_pipeline"
     presets = WAN_PRESETS
-
-    @classmethod
-    def options(cls, model_cfg) -> dict:
-        return {"num_frames": model_cfg.num_frames}
+    family_options = ("num_frames",)
+    num_frames = 17  # model.num_frames: 4k + 1 for the 4x temporal VAE
 
     # ---------------------------------------------------------------- geometry, schedule, decoding
     @property
@@ -82,7 +75,7 @@ class WanAdapter(PipelineAdapter):
                                             max_sequence_length=self.max_sequence_length, device=self.text_device)
         return embeds[0], embeds.new_zeros(0)
 
-    def _forward(self, x, sigma, embeds, pooled):
+    def _forward(self, x, sigma, cond):
         t = (sigma * 1000.0).to(self.dtype)  # WanPipeline passes the scheduler timestep as is
         return self.transformer(hidden_states=x.to(self.dtype), timestep=t,
-                                encoder_hidden_states=embeds.to(self.dtype), return_dict=False)[0].float()
+                                encoder_hidden_states=cond.embeds.to(self.dtype), return_dict=False)[0].float()
