@@ -313,7 +313,7 @@ def _unknown(key: str, cls, prefix: str) -> ConfigError:
 
 # keys that moved in the per-algorithm redesign: the old spelling -> what to write now
 MOVED = {"algorithm.max_batch": "sampler.max_batch", "algorithm.loss_weight": "algorithm.loss_weight (tempflow_grpo, "
-         "superflow only)", "algorithm.tracker.rho": "algorithm.rho (superflow) or advantage.tracker_rho"}
+         "superflow only)"}
 _FLATTENED = ("tree", "side", "chunk", "tracker", "curriculum")  # old sub-sections now directly under algorithm
 
 

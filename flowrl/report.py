@@ -155,11 +155,10 @@ def side_by_side(left: torch.Tensor, right: torch.Tensor, per_row: int) -> torch
 def save_grid(images: torch.Tensor, nrow: int, path: Path, min_size: int = 64,
               row_labels: list[str] | None = None, title: str | None = None) -> Path:
     """images (N, 3, H, W) in [0, 1], row-major, -> PNG grid (nearest-upscaled so tiny images stay visible).
-    Videos (N, F, 3, H, W): the PNG shows each sample's frames as a strip, and an animated GIF of the grid is
-    written beside it (``<name>.gif``)."""
+    Videos (N, F, 3, H, W): the PNG shows each sample's frames as a strip, and the grid as a video is written
+    beside it (``<name>.gif`` and ``<name>.mp4``)."""
     if images.ndim == 5:
-        save_video_grid(images, nrow, path.with_suffix(".gif"), min_size)
-        save_video_grid(images, nrow, path.with_suffix(".mp4"), min_size)
+        save_video_grid(images, nrow, [path.with_suffix(".gif"), path.with_suffix(".mp4")], min_size)
         n, f = images.shape[:2]
         strips = images.permute(0, 2, 3, 1, 4).reshape(n, images.shape[2], images.shape[3], f * images.shape[4])
         return save_grid(strips, nrow, path, min_size, row_labels, (title or "") + f" ({f} frames per sample)")
@@ -191,29 +190,31 @@ def save_grid(images: torch.Tensor, nrow: int, path: Path, min_size: int = 64,
     return path
 
 
-def save_video_grid(videos: torch.Tensor, nrow: int, path: Path, min_size: int = 64, fps: int = 8) -> Path:
-    """videos (N, F, 3, H, W) in [0, 1] -> a video whose frame k is the grid of every sample's frame k: an
-    animated GIF (Pillow) or, for ``.mp4``, H.264 through PyAV; written to a temporary name and renamed."""
+def save_video_grid(videos: torch.Tensor, nrow: int, paths: list[Path], min_size: int = 64, fps: int = 8) -> list[Path]:
+    """videos (N, F, 3, H, W) in [0, 1] -> videos whose frame k is the grid of every sample's frame k, one per
+    path: an animated GIF (Pillow) or, for ``.mp4``, H.264 through PyAV; each written to a temporary name and
+    renamed."""
     from torchvision.utils import make_grid
 
-    frames = []  # (H, W, 3) uint8 grids
+    frames = []  # (H, W, 3) uint8 grids, built once for every format
     for k in range(videos.shape[1]):
         x = videos[:, k].clamp(0, 1)
         if x.shape[-1] < min_size:
             x = torch.nn.functional.interpolate(x, scale_factor=min_size // x.shape[-1], mode="nearest")
         grid = make_grid(x, nrow=nrow, padding=2, pad_value=1.0)
         frames.append((grid.permute(1, 2, 0) * 255).round().byte().numpy())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    if path.suffix == ".mp4":
-        _write_mp4(frames, tmp, fps)
-    else:
-        from PIL import Image
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+        if path.suffix == ".mp4":
+            _write_mp4(frames, tmp, fps)
+        else:
+            from PIL import Image
 
-        images = [Image.fromarray(f) for f in frames]
-        images[0].save(tmp, format="GIF", save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0)
-    os.replace(tmp, path)
-    return path
+            images = [Image.fromarray(f) for f in frames]
+            images[0].save(tmp, format="GIF", save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0)
+        os.replace(tmp, path)
+    return paths
 
 
 def _write_mp4(frames: list, path: Path, fps: int) -> None:

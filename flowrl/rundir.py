@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from . import report
+from .checkpoint import checkpoints_newest_first
 from .config import save_config
 from .errors import ConfigError
 
@@ -57,7 +58,7 @@ class RunFolder:
         return folder
 
     def checkpoints(self) -> list[Path]:
-        return sorted(p for p in (self.path / "checkpoints").glob("iter_*") if p.is_dir())
+        return checkpoints_newest_first(self.path)[::-1]  # oldest first
 
     def holds_run(self) -> bool:
         return bool(report.read_metrics(self.metrics, warn=False)) or bool(self.checkpoints())

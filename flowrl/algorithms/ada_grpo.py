@@ -36,7 +36,8 @@ class AdaGRPO(TempFlowGRPO):
         super().__init__(cfg)
         self.capability = CapabilityEMA(self.opts.ema_alpha)
 
-    def default_steps(self, t: int) -> list[int]:
+    @staticmethod
+    def default_steps(t: int) -> list[int]:
         return list(range(0, max(t // 2, 1), 2))  # {0, 2, 4, 6} of 16
 
     def choose_prompts(self, ctx, it, gen, row):

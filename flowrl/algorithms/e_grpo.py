@@ -50,7 +50,7 @@ class EGRPO(TempFlowGRPO):
     @classmethod
     def check(cls, cfg) -> None:
         o, t = cfg.algorithm, cfg.sampler.num_steps
-        active = check_steps("algorithm.steps", o.steps, t) or list(range(max(t // 2, 1)))
+        active = check_steps("algorithm.steps", o.steps, t) or cls.default_steps(t)
         if min(o.granularities, default=0) < 1:
             raise ConfigError(f"algorithm.granularities {o.granularities}: give positive strides, e.g. [1] or [1, 2]")
         if o.merge == "list":
@@ -61,7 +61,8 @@ class EGRPO(TempFlowGRPO):
                 if not 1 <= l <= t - i:
                     raise ConfigError(f"algorithm.merge_lengths: step {i} cannot merge {l} steps (1..{t - i})")
 
-    def default_steps(self, t: int) -> list[int]:
+    @staticmethod
+    def default_steps(t: int) -> list[int]:
         return list(range(max(t // 2, 1)))
 
     @property

@@ -39,7 +39,8 @@ class TempFlowGRPO(FlowGRPO):
         check_steps("algorithm.steps", cfg.algorithm.steps, cfg.sampler.num_steps)
 
     # ------------------------------------------------------------------ the side-branch tree (shared)
-    def default_steps(self, t: int) -> list[int]:
+    @staticmethod
+    def default_steps(t: int) -> list[int]:
         return list(range(max(t - 1, 1)))  # every step but the last
 
     def active_steps(self) -> list[int]:
