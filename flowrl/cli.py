@@ -216,6 +216,15 @@ def cmd_pretrain_tiny(args) -> int:
     return 0
 
 
+def cmd_pretrain_tiny_video(args) -> int:
+    from .shapes.pretrain_video import pretrain_tiny_video
+
+    pretrain_tiny_video(args.work_dir, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
+                        save_every=args.save_every, eval_every=args.eval_every, export_dir=args.export_dir,
+                        decay_from=args.decay_from, lr_final=args.lr_final)
+    return 0
+
+
 def cmd_pretrain_tiny_clip(args) -> int:
     from .shapes.tiny_clip import pretrain_tiny_clip
 
@@ -318,6 +327,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="step at which a cosine learning-rate decay starts (ends at --steps); default constant")
     pt.add_argument("--lr-final", type=float, default=0.1, help="final learning rate as a fraction of --lr")
     pt.set_defaults(func=cmd_pretrain_tiny)
+    pv = sub.add_parser("pretrain-tiny-video", help="pretrain the embedded tiny video model on the moving-shapes "
+                        "domain (CPU, resumable)")
+    pv.add_argument("--work-dir", default="runs/pretrain-tiny-video", help="state, grids, progress; rerun to resume")
+    pv.add_argument("--steps", type=int, default=6000)
+    pv.add_argument("--batch", type=int, default=32)
+    pv.add_argument("--lr", type=float, default=1e-3)
+    pv.add_argument("--seed", type=int, default=0)
+    pv.add_argument("--save-every", type=int, default=250)
+    pv.add_argument("--eval-every", type=int, default=1000, help="held-out readout and video grid every N steps")
+    pv.add_argument("--export-dir", default=None, help="default: assets/tiny_moving_shapes")
+    pv.add_argument("--decay-from", type=int, default=None,
+                    help="step at which a cosine learning-rate decay starts (ends at --steps); default constant")
+    pv.add_argument("--lr-final", type=float, default=0.1, help="final learning rate as a fraction of --lr")
+    pv.set_defaults(func=cmd_pretrain_tiny_video)
     sr = sub.add_parser("serve-reward", help="serve a reward over HTTP (POST /score) for the `remote` reward")
     sr.add_argument("name", help="registered reward name or module:function")
     sr.add_argument("--args", help="the reward's keyword arguments as a JSON object")

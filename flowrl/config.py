@@ -47,15 +47,18 @@ class TinyModelConfig:
     max_tokens: int = opt(16, "tokenizer length of the tiny text encoders", lo=4)
     shift: float = opt(1.0, "scheduler shift of the tiny model", lo=0.0, lo_open=True)
     init_seed: int = opt(0, "seed of the random initialisation")
+    experts: int = opt(1, "wan only: 2 builds Wan 2.2 A14B's layout, a high-noise and a low-noise transformer",
+                       choices=[1, 2])
 
 
 @dataclass
 class ModelConfig:
     family: str = opt("sd3", "model family: sd3 (SD3 / SD3.5), flux (FLUX.1 dev / schnell), flux2 (FLUX.2 dev / "
-                      "klein), qwenimage (Qwen-Image) or wan (Wan 2.1 text-to-video)",
+                      "klein), qwenimage (Qwen-Image) or wan (Wan 2.1 / 2.2 text-to-video)",
                       choices=["sd3", "flux", "flux2", "qwenimage", "wan"])
     num_frames: int = opt(17, "video frames (wan): 4k + 1 for Wan's 4x temporal compression", lo=1)
-    pretrained: Optional[str] = opt("tiny", "'tiny' (random init), 'tiny-shapes' (the shipped pretrained model), a "
+    pretrained: Optional[str] = opt("tiny", "'tiny' (random init), 'tiny-shapes' / 'tiny-moving-shapes' (the shipped "
+                                    "pretrained image / video models), a "
                                     "preset (sd3.5-medium, sd3.5-large), a hub id or a local diffusers folder")
     dtype: str = opt("fp32", "weights dtype of the transformer", choices=["fp32", "bf16", "fp16"])
     resolution: int = opt(16, "image resolution in pixels", lo=8)
@@ -66,6 +69,12 @@ class ModelConfig:
                                    "is encoded once and cached, so they need not hold accelerator memory)",
                                    choices=["same", "cpu"])
     vae_tiling: bool = opt(False, "decode with VAE slicing and tiling (large resolutions)")
+    train_expert: str = opt("high_noise", "Wan 2.2 (two experts): the expert that is trained; the other stays "
+                            "frozen and draws its own steps (sigma * 1000 below / above the pipeline's boundary)",
+                            choices=["high_noise", "low_noise"])
+    low_noise_guidance_scale: Optional[float] = opt(None, "Wan 2.2: the CFG scale of the low-noise expert's steps "
+                                                    "(WanPipeline's guidance_scale_2); empty = sampler.guidance_scale",
+                                                    lo=0.0)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
@@ -527,7 +536,11 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}: list at least one seed, e.g. [0, 1, 2, 3]")
     m = cfg.model
     tiny = m.pretrained in (None, "", "tiny")
-    if m.family in ("flux", "flux2", "qwenimage", "wan"):  # VAE (tiny: 2, real: 8) x 2x2 packing / patches
+    from .registry import MODEL_NAMES
+
+    if m.pretrained in MODEL_NAMES:  # an embedded model: its adapter checks its exact geometry at load
+        factor = 1
+    elif m.family in ("flux", "flux2", "qwenimage", "wan"):  # VAE (tiny: 2, real: 8) x 2x2 packing / patches
         factor = 4 if tiny else 16
     else:
         factor = m.tiny.patch_size * (2 if m.tiny.vae else 1) if tiny else 16  # SD3: VAE 8 x patch 2

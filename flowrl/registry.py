@@ -25,11 +25,15 @@ ALGORITHMS: dict[str, Any] = {
 PROMPT_SETS: dict[str, Any] = {
     "shapes-train": "flowrl.shapes.domain:train_prompts",
     "shapes-heldout": "flowrl.shapes.domain:heldout_prompts",
+    "moving-shapes-train": "flowrl.shapes.moving:train_prompts",
+    "moving-shapes-heldout": "flowrl.shapes.moving:heldout_prompts",
 }
 # held-out evaluators (log.eval): a class built with no arguments, called as evaluator(sample_fn, seeds)
-EVALUATORS: dict[str, Any] = {"shapes": "flowrl.shapes.evaluate:ShapesEvaluator"}
+EVALUATORS: dict[str, Any] = {"shapes": "flowrl.shapes.evaluate:ShapesEvaluator",
+                              "moving-shapes": "flowrl.shapes.evaluate:MovingShapesEvaluator"}
 # pretrained model names that are not hub ids: a function(model_cfg) -> diffusers pipeline
-MODEL_NAMES: dict[str, Any] = {"tiny-shapes": "flowrl.models.tiny:load_tiny_shapes_pipeline"}
+MODEL_NAMES: dict[str, Any] = {"tiny-shapes": "flowrl.models.tiny:load_tiny_shapes_pipeline",
+                               "tiny-moving-shapes": "flowrl.models.tiny:load_tiny_moving_shapes_pipeline"}
 
 
 def _import(path: str, what: str):

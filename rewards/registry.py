@@ -14,7 +14,8 @@ from flowrl.errors import RewardError
 
 REWARDS: dict[str, Callable[..., Callable]] = {}
 # rewards that live outside this package (the shapes demo): imported on first use, which registers them
-LAZY_REWARDS = {"shapes": "flowrl.shapes.reward", "shapes_accuracy": "flowrl.shapes.reward"}
+LAZY_REWARDS = {"shapes": "flowrl.shapes.reward", "shapes_accuracy": "flowrl.shapes.reward",
+                "moving_shapes": "flowrl.shapes.video_reward", "moving_shapes_accuracy": "flowrl.shapes.video_reward"}
 
 
 def register_reward(name: str):

@@ -130,6 +130,65 @@ def test_wan_rollout_equals_wan_pipeline():
     assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
 
 
+WAN22 = ["model.tiny.experts=2", "sampler.guidance_scale=5.0", "sampler.negative_prompt=a blur",
+         "model.low_noise_guidance_scale=3.0"]
+
+
+@pytest.mark.parametrize("expert", ["high_noise", "low_noise"])
+def test_wan22_two_experts_equal_wan_pipeline(expert):
+    """Wan 2.2 A14B's layout: steps at timestep >= 875 by the high-noise expert with CFG 5, the rest by the
+    low-noise expert with CFG 3 (guidance_scale_2), as WanPipeline draws them, whichever expert is trained; a
+    batch whose rows straddle the boundary gives what each row gives alone."""
+    cfg = family_cfg("wan", *WAN22, f"model.train_expert={expert}")
+    adapter = load_adapter(cfg.model)
+    assert adapter.boundary == 875.0
+    assert (adapter.transformer is adapter.pipe.transformer_2) == (expert == "low_noise")
+    sigmas = sigmas_for(cfg, adapter, 4)
+    assert (sigmas[:-1] * 1000 >= 875).sum() == 1  # one high-noise step, three low-noise ones
+    shape = adapter.latent_shape(32)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(3))[None]
+    with torch.no_grad():
+        ours = Sampler(cfg, adapter, num_steps=4)(["a red circle moving left"], [3])
+    ref = adapter.pipe(prompt=["a red circle moving left"], negative_prompt=["a blur"], guidance_scale=5.0,
+                       guidance_scale_2=3.0, height=32, width=32, num_frames=5, num_inference_steps=4, latents=noise,
+                       output_type="pt", max_sequence_length=16).frames
+    assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+    x = torch.randn((3, *shape), generator=torch.Generator().manual_seed(1))
+    sigma = torch.tensor([0.95, 0.5, 0.9])
+    cond, neg = adapter.encode_prompts(PROMPTS + PROMPTS[:1]), adapter.encode_prompts(["a blur"])
+    with torch.no_grad():
+        together = adapter.velocity(x, sigma, cond, 5.0, neg)
+        alone = torch.cat([adapter.velocity(x[i: i + 1], sigma[i: i + 1], cond.index(torch.tensor([i])), 5.0, neg)
+                           for i in range(3)])
+    assert torch.allclose(together, alone, atol=1e-5), (together - alone).abs().max()
+
+
+def test_wan22_low_noise_lora_loads_into_transformer_2(tmp_path):
+    """Train the low-noise expert's LoRA; WanPipeline loads the file with load_into_transformer_2=True and draws
+    our policy's velocity; the frozen high-noise expert is untouched."""
+    from flowrl.trainer import Trainer
+
+    cfg = family_cfg("wan", "model.tiny.experts=2", "model.train_expert=low_noise", "sampler.num_steps=3",
+                     "train.prompts_per_iter=1", "algorithm.group_size=2", "train.iterations=2", "train.lr=5e-2",
+                     f"log.output_dir={tmp_path}", "log.run_name=l", "log.sample_every=0", REWARD["wan"])
+    trainer = Trainer(cfg)
+    run = trainer.train()
+    ours = trainer.adapter
+    fresh = load_adapter(cfg.model)
+    fresh.pipe.load_lora_weights(str(run / "checkpoints" / "iter_00001"), load_into_transformer_2=True)
+    x = torch.randn((2, *ours.latent_shape(32)), generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.95, 0.4])  # one row per expert
+    cond = ours.encode_prompts(PROMPTS)
+    with torch.no_grad():
+        ours.transformer.eval()
+        v_ours = ours.velocity(x, sigma, cond)
+        v_pipe = fresh.velocity(x, sigma, fresh.encode_prompts(PROMPTS))
+        v_base = load_adapter(cfg.model).velocity(x, sigma, cond)
+    assert torch.equal(v_ours[0], v_base[0])  # high noise: the frozen expert
+    assert (v_ours[1] - v_base[1]).abs().max() > 1e-4  # low noise: the trained LoRA moved it
+    assert torch.allclose(v_pipe, v_ours, atol=1e-5), (v_pipe - v_ours).abs().max()
+
+
 def test_video_grids_are_a_frame_strip_and_a_gif(tmp_path):
     from PIL import Image
 

@@ -110,18 +110,40 @@ class PipelineAdapter:
         """The tiny offline model (``pretrained: tiny``), or a checkpoint by short name, hub id or local folder."""
         import diffusers
 
+        from ..registry import MODEL_NAMES
+
         dtype = DTYPES[model_cfg.dtype]
         extra = cls.options(model_cfg)
         if model_cfg.pretrained in (None, "", "tiny"):
             pipe, tiny_extra = cls.build_tiny(model_cfg.tiny)
             extra.update(tiny_extra)
             max_seq = model_cfg.tiny.max_tokens if cls.tiny_sequence_length else model_cfg.max_sequence_length
+        elif model_cfg.pretrained in MODEL_NAMES:
+            pipe = cls.embedded_pipeline(model_cfg)
+            max_seq = pipe.embedded_max_tokens
         else:
             source = cls.presets.get(model_cfg.pretrained, model_cfg.pretrained)
             pipe = load_pipeline(getattr(diffusers, cls.pipeline_class_name), source, dtype, cls.family)
             max_seq = model_cfg.max_sequence_length
         return cls(pipe, max_sequence_length=max_seq, device=device, dtype=dtype,
                    text_encoder_device=model_cfg.text_encoder_device, vae_tiling=model_cfg.vae_tiling, **extra)
+
+    @classmethod
+    def embedded_pipeline(cls, model_cfg, loader_name: str | None = None):
+        """An embedded model by name (or, with ``loader_name``, an exported folder read by that name's loader): it
+        must be this family's pipeline, and it draws one geometry (``pipe.embedded_geometry``: config field ->
+        value); otherwise one line says which field to change."""
+        from ..registry import MODEL_NAMES, resolve
+
+        name = model_cfg.pretrained
+        pipe = resolve(MODEL_NAMES, loader_name or name, "model.pretrained")(None if name in MODEL_NAMES else name)
+        if type(pipe).__name__ != cls.pipeline_class_name:
+            raise ConfigError(f"model.pretrained: {name} is a {type(pipe).__name__}, not a {cls.family} model; set "
+                              "model.family to its family")
+        for key, value in getattr(pipe, "embedded_geometry", {}).items():
+            if getattr(model_cfg, key) != value:
+                raise ConfigError(f"model.{key}: the {name} model was trained at {key}={value}; set model.{key}={value}")
+        return pipe
 
     # ---------------------------------------------------------------- text
     def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:

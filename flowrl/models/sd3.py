@@ -41,7 +41,7 @@ class SD3Adapter(PipelineAdapter):
     # ---------------------------------------------------------------- construction
     @classmethod
     def from_config(cls, model_cfg, device="cpu") -> "SD3Adapter":
-        from ..registry import MODEL_NAMES, resolve
+        from ..registry import MODEL_NAMES
         from .tiny import build_tiny_sd3_pipeline
 
         dtype = DTYPES[model_cfg.dtype]
@@ -51,12 +51,7 @@ class SD3Adapter(PipelineAdapter):
             max_seq = 0  # no T5: zero padding tokens would only cost time (tiny-default.md)
         elif name in MODEL_NAMES or (Path(name) / "pretrain.json").is_file():
             # a named embedded model, or a folder written by `flowrl pretrain-tiny --export-dir`
-            loader = resolve(MODEL_NAMES, name if name in MODEL_NAMES else "tiny-shapes", "model.pretrained")
-            pipe = loader(None if name in MODEL_NAMES else name)
-            size = pipe.transformer.config.sample_size
-            if model_cfg.resolution != size:
-                raise ConfigError(f"model.resolution: the {name} model draws {size} px images; set "
-                                  f"model.resolution={size}")
+            pipe = cls.embedded_pipeline(model_cfg, None if name in MODEL_NAMES else "tiny-shapes")
             max_seq = 0
         else:
             pipe = load_sd3_pipeline(name, dtype, allow_t5=model_cfg.use_t5)

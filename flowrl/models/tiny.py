@@ -98,6 +98,7 @@ def load_tiny_shapes_pipeline(path: str | Path | None = None):
         text_encoder_3=None, tokenizer_3=None,
     )
     pipe.vae_scale_factor = 1
+    pipe.embedded_geometry = {"resolution": pipe.transformer.config.sample_size}
     return pipe
 
 
@@ -239,7 +240,7 @@ def build_tiny_flux2_pipeline(tiny, seed: int = 0):
 def build_tiny_wan_pipeline(tiny, seed: int = 0):
     """A tiny Wan 2.1-architecture text-to-video pipeline: a UMT5 encoder with the offline byte-level tokenizer, a
     Wan VAE with 2x spatial and 2x temporal compression and 4 latent channels, the 3D transformer, and the
-    flow-matching scheduler with Wan's shift."""
+    flow-matching scheduler with Wan's shift. ``tiny.experts = 2``: Wan 2.2 A14B's two experts."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -258,5 +259,77 @@ def build_tiny_wan_pipeline(tiny, seed: int = 0):
         in_channels=z, out_channels=z, text_dim=h, freq_dim=32, ffn_dim=2 * tiny.attention_head_dim,
         num_layers=tiny.num_layers, rope_max_seq_len=64)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)  # Wan 2.1's flow shift at 480p
+    if tiny.experts == 1:
+        return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                           transformer=transformer)
+    # Wan 2.2 A14B's layout: a second (low-noise) expert of the same architecture, switched at 0.875 x 1000
+    low_noise = WanTransformer3DModel.from_config(transformer.config)
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-                       transformer=transformer)
+                       transformer=transformer, transformer_2=low_noise, boundary_ratio=0.875)
+
+
+# The embedded video model's fixed architecture (pretrained by `flowrl pretrain-tiny-video`): pixel space, 4 frames
+# of 20 px, 4x4-pixel patches (25 tokens per frame, 100 per clip), 4 blocks of 3 heads x 64.
+MOVING_SHAPES_TINY = {"patch_size": (1, 4, 4), "num_attention_heads": 3, "attention_head_dim": 64, "ffn_dim": 512,
+                      "num_layers": 4, "text_dim": 64, "text_layers": 2, "max_tokens": 16}
+
+
+def build_moving_shapes_tokenizer():
+    """A byte-level BPE tokenizer trained offline on the moving-shapes captions (deterministic), so each word of a
+    caption is one token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from ..shapes.moving import all_specs
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([s.prompt for s in all_specs()], trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>")
+
+
+def build_tiny_moving_shapes_pipeline(seed: int = 0):
+    """The embedded video model's architecture, randomly initialised: a pixel-space (no VAE) Wan 2.1 transformer
+    and a tiny UMT5 encoder with the domain tokenizer; flow-matching scheduler with shift 1."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    c = MOVING_SHAPES_TINY
+    torch.manual_seed(seed)
+    tokenizer = build_moving_shapes_tokenizer()
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=c["text_dim"], d_kv=16,
+                                               d_ff=2 * c["text_dim"], num_layers=c["text_layers"], num_heads=4,
+                                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                               decoder_start_token_id=tokenizer.pad_token_id))
+    transformer = WanTransformer3DModel(
+        patch_size=c["patch_size"], num_attention_heads=c["num_attention_heads"],
+        attention_head_dim=c["attention_head_dim"], in_channels=3, out_channels=3, text_dim=c["text_dim"],
+        freq_dim=64, ffn_dim=c["ffn_dim"], num_layers=c["num_layers"], rope_max_seq_len=64)
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=None,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), transformer=transformer)
+
+
+def load_tiny_moving_shapes_pipeline(path: str | Path | None = None):
+    """The shipped pretrained tiny video model (or a folder written by ``flowrl pretrain-tiny-video --export-dir``)
+    as a pixel-space WanPipeline (fp32), its tokenizer rebuilt offline."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5EncoderModel
+
+    path = Path(path) if path else assets_dir() / "tiny_moving_shapes"
+    if not (path / "transformer" / "config.json").is_file():
+        raise FlowRLError(f"the pretrained tiny video model is missing at {path}; run `flowrl pretrain-tiny-video` "
+                          "to rebuild it")
+    from ..shapes.moving import FRAMES, RESOLUTION
+
+    kw = {"torch_dtype": torch.float32}
+    pipe = WanPipeline(
+        tokenizer=build_moving_shapes_tokenizer(),
+        text_encoder=UMT5EncoderModel.from_pretrained(str(path / "text_encoder"), **kw), vae=None,
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(str(path / "scheduler")),
+        transformer=WanTransformer3DModel.from_pretrained(str(path / "transformer"), **kw))
+    pipe.embedded_geometry = {"resolution": RESOLUTION, "num_frames": FRAMES}
+    pipe.embedded_max_tokens = MOVING_SHAPES_TINY["max_tokens"]
+    return pipe

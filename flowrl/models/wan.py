@@ -1,10 +1,15 @@
-"""Wan 2.1 text-to-video adapter (diffusers ``WanTransformer3DModel``).
+"""Wan 2.1 / 2.2 text-to-video adapter (diffusers ``WanTransformer3DModel``).
 
 Latents carry a frame axis, (C, F', H/8, W/8) with F' = (frames - 1) / 4 + 1; the engine, plans, kernels and
 log-probs (a mean over every element) handle them as they handle images. The transformer takes the
 scheduler's timestep (sigma x 1000) and the UMT5 prompt states; true CFG is the pipeline's (5.0 for Wan 2.1).
 Decoding un-normalises with the VAE's per-channel statistics and returns videos (B, F, 3, H, W) in [0, 1],
 the layout the video rewards read.
+
+Wan 2.2 A14B has two experts: ``transformer`` draws the steps with timestep >= boundary_ratio x 1000 (high noise)
+and ``transformer_2`` the rest, each with its own CFG scale, as ``WanPipeline`` does. One expert is trained
+(``model.train_expert``) and the other stays frozen; rows of one batch at different sigmas go to their own expert.
+A LoRA trained on the low-noise expert loads with ``load_lora_weights(path, load_into_transformer_2=True)``.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import torch
 
 from .common import PipelineAdapter
 
-WAN_PRESETS = {"wan2.1-t2v-1.3b": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan2.1-t2v-14b": "Wan-AI/Wan2.1-T2V-14B-Diffusers"}
+WAN_PRESETS = {"wan2.1-t2v-1.3b": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan2.1-t2v-14b": "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+               "wan2.2-t2v-a14b": "Wan-AI/Wan2.2-T2V-A14B-Diffusers"}
 WAN_LORA_TARGETS = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
                     "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"]
 
@@ -26,21 +32,53 @@ class WanAdapter(PipelineAdapter):
 
     tiny_builder = "build_tiny_wan_pipeline"
     presets = WAN_PRESETS
-    family_options = ("num_frames",)
+    family_options = ("num_frames", "train_expert", "low_noise_guidance_scale")
     num_frames = 17  # model.num_frames: 4k + 1 for the 4x temporal VAE
+    train_expert = "high_noise"  # Wan 2.2: which expert the policy trains
+    low_noise_guidance_scale = None  # Wan 2.2: the low-noise expert's CFG scale (None: the sampler's)
+
+    def __init__(self, pipe, **kwargs):
+        super().__init__(pipe, **kwargs)
+        second = getattr(pipe, "transformer_2", None)
+        ratio = pipe.config.get("boundary_ratio") if hasattr(pipe.config, "get") else None
+        self.boundary = None  # timestep (sigma x 1000) from which the high-noise expert draws; None: one model
+        if second is not None and ratio is not None:
+            self.boundary = float(ratio) * self.scheduler_config.get("num_train_timesteps", 1000)
+            second.to(self.device)
+            if second.dtype != self.dtype:
+                second.to(dtype=self.dtype)
+            if self.train_expert == "low_noise":
+                self.transformer, self.frozen_expert = second, pipe.transformer
+            else:
+                self.frozen_expert = second
+            self.frozen_expert.requires_grad_(False).eval()
+
+    def _rows_by_expert(self, sigma: torch.Tensor, run) -> torch.Tensor:
+        """``run(rows, high_noise)`` for the rows each expert draws, reassembled in row order (B, *latent)."""
+        high = sigma * 1000.0 >= self.boundary
+        if high.all() or not high.any():
+            return run(None, bool(high[0]))
+        parts, order = [], []
+        for flag in (True, False):
+            rows = torch.nonzero(high == flag).squeeze(1)
+            parts.append(run(rows, flag))
+            order.append(rows)
+        return torch.cat(parts)[torch.argsort(torch.cat(order))]
 
     # ---------------------------------------------------------------- geometry, schedule, decoding
     @property
     def temporal_factor(self) -> int:
-        return 2 ** sum(self.vae.temperal_downsample)
+        return 1 if self.pixel_space else 2 ** sum(self.vae.temperal_downsample)
 
     def vae_factor(self) -> int:
-        return 2 ** len(self.vae.temperal_downsample)
+        return 1 if self.pixel_space else 2 ** len(self.vae.temperal_downsample)
 
     def latent_shape(self, resolution: int) -> tuple[int, int, int, int]:
+        """(C, F', h, w); a pixel-space model (the embedded tiny one) draws (3, frames, H, W) directly."""
         f = self.vae_factor()
         frames = (self.num_frames - 1) // self.temporal_factor + 1
-        return (self.vae.config.z_dim, frames, resolution // f, resolution // f)
+        channels = self.transformer.config.in_channels if self.pixel_space else self.vae.config.z_dim
+        return (channels, frames, resolution // f, resolution // f)
 
     def image_seq_len(self, resolution: int) -> int:
         c, f, h, w = self.latent_shape(resolution)
@@ -63,6 +101,8 @@ class WanAdapter(PipelineAdapter):
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """(B, C, F', h, w) -> videos (B, F, 3, H, W) in [0, 1]."""
+        if self.pixel_space:
+            return (latents.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
         c = self.vae.config
         mean = torch.tensor(c.latents_mean, device=latents.device).view(1, c.z_dim, 1, 1, 1)
         std = torch.tensor(c.latents_std, device=latents.device).view(1, c.z_dim, 1, 1, 1)
@@ -76,6 +116,34 @@ class WanAdapter(PipelineAdapter):
         return embeds[0], embeds.new_zeros(0)
 
     def _forward(self, x, sigma, cond):
+        if self.boundary is None:
+            return self._expert_forward(self.transformer, x, sigma, cond)
+
+        def run(rows, high_noise):
+            trained_is_high = self.train_expert == "high_noise"
+            model = self.transformer if high_noise == trained_is_high else self.frozen_expert
+            if rows is None:
+                return self._expert_forward(model, x, sigma, cond)
+            return self._expert_forward(model, x[rows], sigma[rows], cond.index(rows))
+
+        return self._rows_by_expert(sigma, run)
+
+    def _expert_forward(self, model, x, sigma, cond):
         t = (sigma * 1000.0).to(self.dtype)  # WanPipeline passes the scheduler timestep as is
-        return self.transformer(hidden_states=x.to(self.dtype), timestep=t,
-                                encoder_hidden_states=cond.embeds.to(self.dtype), return_dict=False)[0].float()
+        return model(hidden_states=x.to(self.dtype), timestep=t, encoder_hidden_states=cond.embeds.to(self.dtype),
+                     return_dict=False)[0].float()
+
+    def velocity(self, x, sigma, cond, guidance_scale=1.0, negative=None):
+        """As every family's, except that Wan 2.2's low-noise steps use their own CFG scale."""
+        low_scale = self.low_noise_guidance_scale
+        if self.boundary is None or low_scale is None or negative is None:
+            return super().velocity(x, sigma, cond, guidance_scale, negative)
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])
+
+        def run(rows, high_noise):
+            scale = guidance_scale if high_noise else low_scale
+            if rows is None:
+                return super(WanAdapter, self).velocity(x, sigma, cond, scale, negative)
+            return super(WanAdapter, self).velocity(x[rows], sigma[rows], cond.index(rows), scale, negative)
+
+        return self._rows_by_expert(sigma, run)

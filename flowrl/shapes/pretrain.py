@@ -49,25 +49,26 @@ def _trainable(pipe):
     return [p for name in COMPONENTS for p in getattr(pipe, name).parameters()]
 
 
-def _save_state(path: Path, pipe, optimizer, ema, step: int, elapsed: float, commands: list[str]) -> None:
-    from safetensors.torch import save_file
+def _save_state(path: Path, pipe, optimizer, ema, step: int, elapsed: float, commands: list[str],
+                components: tuple[str, ...] = COMPONENTS) -> None:
+    from safetensors.torch import save_model
 
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for name in COMPONENTS:
-        save_file({k: v.contiguous() for k, v in getattr(pipe, name).state_dict().items()}, str(tmp / f"{name}.safetensors"))
+    for name in components:
+        save_model(getattr(pipe, name), str(tmp / f"{name}.safetensors"))  # tied weights (UMT5's) stored once
     torch.save({"optimizer": optimizer.state_dict(), "ema": ema.state_dict()}, tmp / "state.pt")
     (tmp / "progress.json").write_text(json.dumps({"step": step, "elapsed_s": elapsed, "commands": commands}))
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
 
 
-def _load_state(path: Path, pipe, optimizer, ema) -> tuple[int, float, list[str]]:
-    from safetensors.torch import load_file
+def _load_state(path: Path, pipe, optimizer, ema, components: tuple[str, ...] = COMPONENTS) -> tuple[int, float, list[str]]:
+    from safetensors.torch import load_model
 
-    for name in COMPONENTS:
-        getattr(pipe, name).load_state_dict(load_file(str(path / f"{name}.safetensors")))
+    for name in components:
+        load_model(getattr(pipe, name), str(path / f"{name}.safetensors"))
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     ema.load_state_dict(state["ema"])
@@ -75,12 +76,17 @@ def _load_state(path: Path, pipe, optimizer, ema) -> tuple[int, float, list[str]
     return int(prog["step"]), float(prog["elapsed_s"]), list(prog.get("commands", []))
 
 
-def export_model(pipe, out_dir: Path, meta: dict) -> Path:
-    """Write the three trained components as fp16 safetensors + configs (tokenizers are rebuilt offline)."""
+def export_model(pipe, out_dir: Path, meta: dict, components: tuple[str, ...] = COMPONENTS,
+                 keep: tuple[str, ...] = ("MODEL_CARD.md",)) -> Path:
+    """Write the trained components as fp16 safetensors + configs (tokenizers are rebuilt offline); files named in
+    ``keep`` (the model card) carry over from the folder being replaced."""
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for name in COMPONENTS:
+    for name in keep:
+        if (out_dir / name).is_file():
+            shutil.copy2(out_dir / name, tmp / name)
+    for name in components:
         module = getattr(pipe, name)
         module.to(torch.float16).save_pretrained(str(tmp / name), safe_serialization=True)
         module.to(torch.float32)

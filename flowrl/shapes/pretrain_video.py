@@ -1,0 +1,148 @@
+"""``flowrl pretrain-tiny-video``: pretrain the embedded tiny text-to-video model on the moving-shapes domain.
+
+A pixel-space Wan 2.1-architecture transformer (diffusers ``WanTransformer3DModel``) and a tiny UMT5 encoder,
+trained jointly on the rectified-flow objective ``|| v_theta(x_sigma, sigma, c) - (eps - x0) ||^2`` over whole
+clips (B, 3, F, H, W), sigma from SD3's logit-normal density, 10% caption dropout (so CFG works), AdamW and an EMA
+of the weights. Resumable; every ``eval_every`` steps the EMA weights draw the held-out captions and the checker
+reads them back (``progress.jsonl``, a video grid). The exported model (EMA weights, fp16 safetensors) goes to
+``assets/tiny_moving_shapes/`` with the command and wall time beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..resources import assets_dir
+from .moving import FRAMES, RESOLUTION, heldout_prompts, render_video, split_specs
+from .pretrain import _load_state, _save_state, export_model, lr_factor
+
+COMPONENTS = ("transformer", "text_encoder")
+MAX_TOKENS = 16
+
+
+def clips_batch(specs, batch: int, rng: random.Random) -> tuple[torch.Tensor, list[str]]:
+    """(x0 (B, 3, F, H, W) in [-1, 1], captions) of ``batch`` random training clips."""
+    chosen = [specs[rng.randrange(len(specs))] for _ in range(batch)]
+    clips = np.stack([render_video(s, RESOLUTION, FRAMES, rng.randrange(1 << 30)) for s in chosen])  # (B, F, H, W, 3)
+    x0 = torch.from_numpy(clips).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
+    return x0, [s.prompt for s in chosen]
+
+
+@torch.no_grad()
+def heldout_readout(pipe, seeds=(0, 1), steps: int = 10, guidance_scale: float = 4.5, grid_path: Path | None = None):
+    """Held-out accuracy of the current weights: every held-out caption x ``seeds``, ODE, checker readout."""
+    from ..models.wan import WanAdapter
+    from ..report import save_grid
+    from ..samplers import make_sigmas
+    from ..sampling import sample_images
+    from .evaluate import moving_shapes_accuracy
+
+    adapter = WanAdapter(pipe, max_sequence_length=MAX_TOKENS, num_frames=FRAMES)
+    sigmas = make_sigmas("diffusers", steps, scheduler_config=dict(pipe.scheduler.config))
+    negative = adapter.encode_prompts([""])
+
+    def sampler(prompts, s):
+        return sample_images(adapter, prompts, list(s), sigmas, adapter.latent_shape(RESOLUTION), guidance_scale, negative)
+
+    result, videos = moving_shapes_accuracy(sampler, list(seeds), return_images=True)
+    if grid_path is not None:
+        held = heldout_prompts()
+        picks = list(range(0, len(held), len(held) // 6))[:6]
+        chosen = torch.cat([videos[i * len(seeds): (i + 1) * len(seeds)] for i in picks])
+        save_grid(chosen, len(seeds), grid_path, row_labels=[held[i] for i in picks],
+                  title="held-out captions, EMA weights, 10 ODE steps, CFG 4.5")
+    return result
+
+
+def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps: int = 6000, batch: int = 32,
+                        lr: float = 1e-3, seed: int = 0, ema_decay: float = 0.999, caption_dropout: float = 0.1,
+                        save_every: int = 250, eval_every: int = 1000, export_dir: str | Path | None = None,
+                        progress: bool = True, decay_from: int | None = None, lr_final: float = 0.1) -> Path:
+    from diffusers.training_utils import EMAModel
+
+    from ..models.tiny import MOVING_SHAPES_TINY, build_tiny_moving_shapes_pipeline
+
+    work_dir = Path(work_dir)
+    torch.manual_seed(seed)
+    pipe = build_tiny_moving_shapes_pipeline(seed=seed)
+    params = [p for name in COMPONENTS for p in getattr(pipe, name).parameters()]
+    for name in COMPONENTS:
+        getattr(pipe, name).train().requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+    ema = EMAModel(params, decay=ema_decay)
+    train_specs, _ = split_specs()
+    step, elapsed, commands = 0, 0.0, []
+    state_dir = work_dir / "state"
+    if (state_dir / "progress.json").is_file():
+        step, elapsed, commands = _load_state(state_dir, pipe, optimizer, ema, COMPONENTS)
+        print(f"resuming video pretraining at step {step} ({elapsed / 60:.1f} min so far)", file=sys.stderr)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    command = ("flowrl pretrain-tiny-video " + " ".join(sys.argv[2:])).strip() \
+        if sys.argv[1:2] == ["pretrain-tiny-video"] else "pretrain_tiny_video()"
+    commands = commands + [f"{command}  # from step {step}"]
+    rng = random.Random(seed * 100003 + step)
+    gen = torch.Generator().manual_seed(seed * 100003 + step)
+    bar = tqdm(total=steps, initial=step, desc="pretrain video", disable=not progress)
+    loss_ema = None
+    t_start = time.perf_counter() - elapsed
+    readout = None
+    while step < steps:
+        x0, prompts = clips_batch(train_specs, batch, rng)
+        prompts = ["" if rng.random() < caption_dropout else p for p in prompts]
+        embeds = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=MAX_TOKENS,
+                                    device="cpu")[0]  # (B, 16, text_dim), zero past each caption's tokens
+        sigma = torch.sigmoid(torch.randn(batch, generator=gen))  # SD3 logit-normal(0, 1)
+        eps = torch.randn(x0.shape, generator=gen)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        x = (1 - s) * x0 + s * eps
+        v = pipe.transformer(hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=embeds, return_dict=False)[0]
+        loss = torch.nn.functional.mse_loss(v, eps - x0)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for g in optimizer.param_groups:
+            g["lr"] = lr * lr_factor(step, steps, decay_from, lr_final)
+        optimizer.step()
+        ema.step(params)
+        step += 1
+        loss_ema = float(loss) if loss_ema is None else 0.98 * loss_ema + 0.02 * float(loss)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_ema:.4f}")
+        if step % save_every == 0 or step == steps:
+            _save_state(state_dir, pipe, optimizer, ema, step, time.perf_counter() - t_start, commands, COMPONENTS)
+        if step % eval_every == 0 or step == steps:
+            ema.store(params)
+            ema.copy_to(params)
+            readout = heldout_readout(pipe, grid_path=work_dir / "grids" / f"step_{step:06d}.png")
+            ema.restore(params)
+            for name in COMPONENTS:
+                getattr(pipe, name).train()
+            record = {"step": step, "minutes": round((time.perf_counter() - t_start) / 60, 1), "loss": loss_ema,
+                      **{k: readout[k] for k in ("background", "color", "shape", "motion", "all")}}
+            with open(work_dir / "progress.jsonl", "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            bar.write(json.dumps(record))
+    bar.close()
+    steps = max(steps, step)
+    wall = time.perf_counter() - t_start
+    ema.copy_to(params)
+    meta = {"command": command, "commands": commands, "steps": steps, "batch": batch, "lr": lr,
+            "decay_from": decay_from, "lr_final": lr_final, "seed": seed, "ema_decay": ema_decay,
+            "caption_dropout": caption_dropout, "wall_time_s": round(wall, 1), "final_loss_ema": loss_ema,
+            "transformer_params": sum(p.numel() for p in pipe.transformer.parameters()),
+            "text_encoder_params": sum(p.numel() for p in pipe.text_encoder.parameters()),
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "config": {**MOVING_SHAPES_TINY, "resolution": RESOLUTION, "num_frames": FRAMES},
+            "heldout_readout": readout}
+    out = Path(export_dir) if export_dir else assets_dir() / "tiny_moving_shapes"
+    export_model(pipe, out, meta, COMPONENTS)
+    print(json.dumps({"exported": str(out), "wall_time_min": round(wall / 60, 1), "loss": loss_ema}))
+    return out

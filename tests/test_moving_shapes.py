@@ -1,0 +1,93 @@
+"""The moving-shapes video domain: rendering, the motion-aware checker (exact on ground truth), the held-out
+split, and the embedded pixel-space Wan model."""
+
+import numpy as np
+import pytest
+import torch
+
+from flowrl.errors import ConfigError, RewardError
+from flowrl.shapes.moving import (
+    DIRECTIONS,
+    FRAMES,
+    RESOLUTION,
+    SPEED,
+    MovingSpec,
+    all_specs,
+    parse_prompt,
+    render_video,
+    split_specs,
+)
+from flowrl.shapes.video_reward import MovingShapesAccuracy, MovingShapesReward, attribute_scores, classify
+
+
+def as_videos(clips) -> torch.Tensor:
+    """uint8 (N, F, H, W, 3) -> (N, F, 3, H, W) in [0, 1], the adapters' video layout."""
+    return torch.from_numpy(np.stack(clips)).permute(0, 1, 4, 2, 3).float() / 255
+
+
+def test_checker_reads_every_caption_back_from_ground_truth():
+    specs = all_specs()
+    assert len(specs) == 4 * 8 * 7 * 4
+    clips = [render_video(s, seed=k) for k, s in enumerate(specs)]
+    read = classify(as_videos(clips))
+    assert read == [(s.background, s.color, s.shape, s.direction) for s in specs]
+    assert MovingShapesAccuracy()(as_videos(clips), [s.prompt for s in specs]).mean() == 1.0
+
+
+def test_render_moves_the_shape_speed_pixels_per_frame_inside_the_frame():
+    spec = MovingSpec("square", "red", "blue", "up")
+    clip = render_video(spec, seed=5)
+    assert clip.shape == (FRAMES, RESOLUTION, RESOLUTION, 3)
+    red = [np.argwhere((f == (220, 30, 30)).all(-1)) for f in clip]
+    tops = [r[:, 0].min() for r in red]
+    assert np.diff(tops).tolist() == [-SPEED] * (FRAMES - 1)  # up: rows decrease by SPEED each frame
+    assert all(len(r) == len(red[0]) for r in red)  # the shape keeps its size: never clipped by the frame
+    border = np.concatenate([clip[:, 0], clip[:, -1], clip[:, :, 0], clip[:, :, -1]]).reshape(-1, 3)
+    assert (border == (30, 60, 220)).all()  # the one-pixel margin stays background
+
+
+def test_motion_score_by_hand():
+    """Exact motion: (1 + 1) / 2 = 1; the reverse direction 0; a still clip 0.5; the perpendicular direction
+    (along 0, across 2): (1 + clip(-1)) / 2 = 0."""
+    spec = MovingSpec("circle", "yellow", "black", "left")
+    clip = render_video(spec, seed=3)
+    still = np.repeat(clip[:1], FRAMES, axis=0)
+    reverse = clip[::-1].copy()
+    prompts = [spec.prompt] * 3 + [MovingSpec("circle", "yellow", "black", "down").prompt]
+    s = attribute_scores(as_videos([clip, reverse, still, clip]), prompts)
+    assert s["motion_score"].tolist() == [1.0, 0.0, 0.5, 0.0]
+    assert s["motion_ok"].tolist() == [1, 0, 0, 0]
+    assert (s["bg_ok"] == 1).all() and (s["shape_ok"] == 1).all()
+    r = MovingShapesReward()(as_videos([clip, reverse, still]), prompts[:3])
+    assert r[0] - r[1] == pytest.approx(0.25) and r[0] - r[2] == pytest.approx(0.125)  # the motion quarter
+
+
+def test_split_holds_out_48_captions_and_keeps_every_value_in_training():
+    train, held = split_specs()
+    assert len(held) == 48 and len(train) == 896 - 48 and not set(train) & set(held)
+    for attr, values in (("direction", set(DIRECTIONS)), ("shape", {"circle", "square", "triangle", "cross"})):
+        assert {getattr(s, attr) for s in train} == values
+    assert all(parse_prompt(s.prompt) == s for s in held)
+
+
+def test_reward_names_the_caption_it_cannot_judge_and_wants_videos():
+    clip = as_videos([render_video(MovingSpec("cross", "red", "white", "right"))])
+    with pytest.raises(RewardError, match="moving <direction>"):
+        MovingShapesReward()(clip, ["a red cross on a white background"])
+    with pytest.raises(RewardError, match=r"reads videos \(N, F, 3, H, W\)"):
+        MovingShapesReward()(clip[:, 0], ["a red cross moving right on a white background"])
+
+
+def test_embedded_video_model_loads_with_its_geometry_and_says_which_field_to_change():
+    from flowrl.config import load_config
+    from flowrl.models import load_adapter
+
+    base = ["model.family=wan", "model.pretrained=tiny-moving-shapes", "log.progress=false"]
+    adapter = load_adapter(load_config(None, [*base, "model.resolution=20", "model.num_frames=4"]).model)
+    assert adapter.pixel_space and adapter.latent_shape(20) == (3, 4, 20, 20) and adapter.image_seq_len(20) == 100
+    x = torch.randn(1, 3, 4, 20, 20)
+    assert adapter.decode(x).shape == (1, 4, 3, 20, 20)
+    with pytest.raises(ConfigError, match=r"^model.resolution: .* trained at resolution=20; set model.resolution=20$"):
+        load_adapter(load_config(None, [*base, "model.resolution=32", "model.num_frames=4"]).model)
+    with pytest.raises(ConfigError, match=r"not a sd3 model; set model.family"):
+        load_adapter(load_config(None, ["model.pretrained=tiny-moving-shapes", "model.resolution=32"]).model)
