@@ -40,6 +40,8 @@ def cmd_train(args) -> int:
             summary["heldout_before"] = ev.get("before")
             summary["heldout_after"] = ev.get("after")
             summary["before_after"] = str(run_dir / "before_after.png")
+        if (run_dir / "best.json").is_file():  # the held-out curve's best point, and an early stop's reason
+            summary["best"] = json.loads((run_dir / "best.json").read_text())
         print(json.dumps(summary))
     return 0
 

@@ -150,7 +150,10 @@ class TrainConfig:
     weight_decay: float = opt(1e-4, lo=0.0)
     adam_eps: float = opt(1e-8, lo=0.0, lo_open=True)
     clip_range: float = opt(1e-4, "PPO clip on the per-element-mean log-prob ratio", lo=0.0, lo_open=True)
-    kl_beta: float = opt(0.0, "KL to the reference (LoRA disabled) policy", lo=0.0)
+    kl_beta: float = opt(0.0, "KL to the reference policy (train.kl_reference)", lo=0.0)
+    kl_reference: str = opt("initial", "the KL's reference: initial (the starting weights: LoRA disabled, or a frozen "
+                            "copy under full fine-tuning) or ema (the EMA of the trained weights; needs train.ema)",
+                            choices=["initial", "ema"])
     kl_std: str = opt("transition", "std dividing the KL's mean difference: the transition's full std (ours), or "
                       "Flow-GRPO's std without the sqrt(|dt|) factor (so its published beta values carry over)",
                       choices=["transition", "flow_grpo"])
@@ -197,6 +200,14 @@ class LogConfig:
     eval_seeds: list[int] = opt([0, 1, 2, 3, 4, 5, 6, 7], "seeds per held-out prompt")
     eval_every: int = opt(0, "iterations between held-out curve points in eval_curve.jsonl (0 = none)", lo=0)
     eval_curve_seeds: int = opt(4, "the curve uses the first N of eval_seeds (cheaper than the full evaluation)", lo=1)
+    best_metric: str = opt("all", "the held-out curve's number to maximise (a key of the evaluator's result) for "
+                           "the best checkpoint and early stopping")
+    keep_best: bool = opt(True, "with log.eval_every: keep the weights of the best curve point in checkpoints/best "
+                          "and end the run with them (the 'after' evaluation, the last grid)")
+    early_stop_patience: int = opt(0, "stop after this many curve points in a row without a new best (0 = never)",
+                                   lo=0)
+    early_stop_drop: float = opt(0.0, "stop when a curve point falls this far below the best (e.g. 0.1 = 10 "
+                                 "points of accuracy; 0 = never)", lo=0.0)
 
 
 @dataclass
@@ -531,6 +542,9 @@ def validate(cfg: Config) -> None:
                           "with low < high")
     if len(cfg.train.betas) != 2 or not all(0 <= b < 1 for b in cfg.train.betas):
         raise ConfigError(f"train.betas: {cfg.train.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+    if (cfg.log.early_stop_patience or cfg.log.early_stop_drop) and not (cfg.log.eval_every and cfg.log.eval != "none"):
+        raise ConfigError("log.early_stop_patience / log.early_stop_drop watch the held-out curve; set log.eval (e.g. "
+                          "shapes) and log.eval_every (e.g. 10)")
     for key, seeds in (("data.sample_seeds", cfg.data.sample_seeds), ("log.eval_seeds", cfg.log.eval_seeds)):
         if not seeds:
             raise ConfigError(f"{key}: list at least one seed, e.g. [0, 1, 2, 3]")
@@ -548,9 +562,9 @@ def validate(cfg: Config) -> None:
         lo = m.resolution - m.resolution % factor
         raise ConfigError(f"model.resolution: {m.resolution} px is not a multiple of {factor} (the latent patch "
                           f"grid of this model); use {lo or factor} or {lo + factor}")
-    if cfg.train.kl_beta > 0 and not cfg.train.lora.enabled:
-        raise ConfigError("train.kl_beta: the reference policy is the model with LoRA disabled; "
-                          "enable train.lora.enabled or set train.kl_beta=0")
+    if cfg.train.kl_beta > 0 and cfg.train.kl_reference == "ema" and not cfg.train.ema.enabled:
+        raise ConfigError("train.kl_reference=ema: the reference is the EMA of the weights; set "
+                          "train.ema.enabled=true or train.kl_reference=initial")
     if cfg.train.kl_beta > 0 and cfg.train.kl_std == "flow_grpo" and cfg.sampler.kernel == "cps":
         raise ConfigError("train.kl_std=flow_grpo: the cps kernel's std has no sqrt(|dt|) factor to remove; "
                           "use train.kl_std=transition")

@@ -53,11 +53,39 @@ class Policy:
 
             self.ema = EMAModel(self.params, decay=t.ema.decay)  # decay min((1+n)/(10+n), d) = Flow-GRPO's
         self.adapter = adapter
+        self.kl_reference = t.kl_reference if t.kl_beta > 0 else None
+        self.frozen = None  # full fine-tuning's reference: a frozen copy of the starting weights (2x the memory)
+        if self.kl_reference == "initial" and not self.lora:
+            import copy
+
+            self.frozen = copy.deepcopy(self.module).requires_grad_(False).eval()
+
+    @contextmanager
+    def reference(self):
+        """The KL reference policy in place of the trained one for the duration: the starting weights (LoRA
+        disabled, or the frozen copy) or the EMA weights (``train.kl_reference``)."""
+        if self.kl_reference == "ema":
+            with self.ema_weights():
+                yield
+        elif self.frozen is None:
+            with self.adapter.reference():
+                yield
+        else:
+            trained, self.adapter.transformer = self.adapter.transformer, self.frozen
+            try:
+                yield
+            finally:
+                self.adapter.transformer = trained
 
     @property
     def module(self):
         """The transformer without accelerate's wrapper."""
         return self.accelerator.unwrap_model(self.adapter.transformer)
+
+    def reset_ema(self) -> None:
+        """The EMA restarts from the current weights (after loading other weights into the policy)."""
+        if self.ema is not None:
+            self.ema.load_state_dict({**self.ema.state_dict(), "shadow_params": [p.detach().clone() for p in self.params]})
 
     @contextmanager
     def ema_weights(self):

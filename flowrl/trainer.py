@@ -11,6 +11,7 @@ import json
 import math
 import random
 import signal
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -141,10 +142,16 @@ class Trainer:
         with self._sigterm_stops_after_the_iteration():
             for it in bar:
                 row = self.iteration(it)
+                stop_early = None
                 if cfg.log.eval_every and ((it + 1) % cfg.log.eval_every == 0 or it == cfg.train.iterations - 1):
-                    self.curve_point(it + 1)
+                    stop_early = self.curve_point(it + 1)
                 bar.set_postfix(reward=f"{row['reward_mean/total']:.4f}", kl=f"{row['approx_kl']:.1e}")
-                last = it == cfg.train.iterations - 1
+                last = it == cfg.train.iterations - 1 or stop_early is not None
+                if stop_early:
+                    bar.write(stop_early)
+                    best = self._best()
+                    best["stopped_early"] = stop_early
+                    report.atomic_write_bytes(self.run_dir / "best.json", json.dumps(best, indent=1).encode())
                 if last or (cfg.log.sample_every and (it + 1) % cfg.log.sample_every == 0):
                     self.sample_grid(it + 1)
                 if last or self._stop_signal or (cfg.log.save_every and (it + 1) % cfg.log.save_every == 0):
@@ -153,6 +160,9 @@ class Trainer:
                     bar.close()
                     raise Stopped(f"stopped by SIGTERM after iteration {it}; checkpoint {ckpt}; continue with "
                                   f"resume=latest log.run_name={self.run_dir.name} log.output_dir={self.run_dir.parent}")
+                if last:
+                    break
+        self.restore_best()
         report.plot_reward_curve(self.run_dir)
         if self.evaluator is not None and self.start_iteration < cfg.train.iterations:
             self.evaluate("after")
@@ -186,15 +196,59 @@ class Trainer:
                              row_labels=labels, title=title)
         return result
 
-    def curve_point(self, done: int) -> None:
+    def curve_point(self, done: int) -> str | None:
         """One held-out point (the first ``log.eval_curve_seeds`` evaluation seeds) appended to eval_curve.jsonl
-        with the work spent so far, so runs can be compared per rollout and per training second."""
+        with the work spent so far, so runs can be compared per rollout and per training second. A new best
+        (``log.best_metric``) is kept in checkpoints/best (``log.keep_best``); returns why the run should stop
+        early (``log.early_stop_*``), else None."""
         cfg = self.cfg
         if self.evaluator is None or not cfg.log.eval_every:
-            return
+            return None
         with self.policy.ema_weights():
             result = self.evaluator(self.eval_sampler, cfg.log.eval_seeds[: cfg.log.eval_curve_seeds])
+            value = result.get(cfg.log.best_metric)
+            if not isinstance(value, (int, float)):
+                numbers = sorted(k for k, v in result.items() if isinstance(v, (int, float)))
+                raise ConfigError(f"log.best_metric: the {cfg.log.eval} evaluator has no number "
+                                  f"{cfg.log.best_metric!r}; use one of {', '.join(numbers)}")
+            best = self._best()
+            if best is None or value > best["value"]:
+                best = {"iteration": done, "metric": cfg.log.best_metric, "value": value, "since": 0}
+                if cfg.log.keep_best:  # the weights just evaluated (EMA where enabled; iteration 0: the start)
+                    p = self.policy
+                    save_checkpoint(self.run_dir / "checkpoints" / "best", self.adapter, p.module, p.optimizer,
+                                    done - 1, lora=p.lora, extra={"best": best}, keep=cfg.log.keep_checkpoints)
+            else:
+                best["since"] += 1
+            report.atomic_write_bytes(self.run_dir / "best.json", json.dumps(best, indent=1).encode())
         report.append_metrics(self.curve_path, {"iteration": done, **self._cumulative, **result})
+        name = cfg.log.best_metric
+        if cfg.log.early_stop_drop and best["value"] - value > cfg.log.early_stop_drop:
+            return (f"stopping early at iteration {done}: held-out {name} {value:.4f} fell more than "
+                    f"{cfg.log.early_stop_drop} below its best {best['value']:.4f} (iteration {best['iteration']})")
+        if cfg.log.early_stop_patience and best["since"] >= cfg.log.early_stop_patience:
+            return (f"stopping early at iteration {done}: no new best held-out {name} in {best['since']} curve points "
+                    f"(best {best['value']:.4f} at iteration {best['iteration']})")
+        return None
+
+    def _best(self) -> dict | None:
+        path = self.run_dir / "best.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def restore_best(self) -> None:
+        """End the run with the best curve point's weights when they beat the last point's (``log.keep_best``):
+        they become the policy (EMA reset to them) for the 'after' evaluation, and the run says so."""
+        best, ckpt = self._best(), self.run_dir / "checkpoints" / "best"
+        if not (self.cfg.log.keep_best and best and ckpt.is_dir()):
+            return
+        last = report.read_metrics(self.curve_path)[-1]
+        if last["iteration"] == best["iteration"]:
+            return
+        (load_lora_into if self.policy.lora else load_full_into)(self.policy.module, ckpt, self.cfg)
+        self.policy.reset_ema()
+        print(f"the run ends with its best held-out weights: {best['metric']} {best['value']:.4f} at iteration "
+              f"{best['iteration']} (last point {last[best['metric']]:.4f} at iteration {last['iteration']}); they are "
+              f"in {ckpt}", file=sys.stderr)
 
     # ------------------------------------------------------------------------------------------ one iteration
     def iteration(self, it: int) -> dict:
@@ -303,12 +357,12 @@ class Trainer:
         sig = tree.sigmas[parent_index].to(dev)
         rows = tree.gather(tree.group, p_rnd, p_pos).to(dev)
         g = cfg.sampler.guidance_scale if cfg.train.cfg else 1.0
+        v_ref = None
+        if cfg.train.kl_beta > 0:  # first: an EMA reference swaps weights in place, which must not touch v's graph
+            with torch.no_grad(), self.policy.reference(), self.accelerator.autocast():
+                v_ref = self.adapter.velocity(x, sig, cond.index(rows), g, self.negative)
         with self.accelerator.autocast():
             v = self.adapter.velocity(x, sig, cond.index(rows), g, self.negative)  # (U, *latent)
-        v_ref = None
-        if cfg.train.kl_beta > 0:
-            with torch.no_grad(), self.adapter.reference(), self.accelerator.autocast():
-                v_ref = self.adapter.velocity(x, sig, cond.index(rows), g, self.negative)
         # expand parents to their child edges: (E,) per-edge parent slot, child round and position
         pos = torch.tensor([i for i, u in enumerate(units) for _ in u.children], device=dev)
         rnd = torch.tensor([u.depth + 1 for u in units for _ in u.children])

@@ -70,3 +70,20 @@ def returns_text(images, prompts, metadata):
 
 def returns_none(images, prompts, metadata):
     return None
+
+
+class ScriptedCurve:
+    """A held-out evaluator whose ``all`` follows a script, one value per curve point (best-checkpoint logic);
+    it still samples, so the weights it saw are the ones the trainer keeps."""
+
+    SCRIPT = [0.5, 0.6, 0.8, 0.7, 0.4, 0.3]
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, sampler, seeds, grid=False):
+        images = sampler(["a red circle on a blue background"], seeds[:1])
+        value = self.SCRIPT[min(self.calls, len(self.SCRIPT) - 1)]
+        self.calls += not grid  # the curve points follow the script; the before / after evaluations do not move it
+        result = {"all": value, "mean_pixel": float(images.mean())}
+        return (result, images, ["a red circle on a blue background"]) if grid else result

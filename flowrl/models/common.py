@@ -270,4 +270,5 @@ class PipelineAdapter:
             finally:
                 self.transformer.enable_adapters()
         else:
-            raise RuntimeError("a reference policy needs LoRA (full fine-tuning keeps no frozen copy); set train.kl_beta=0")
+            raise RuntimeError("the LoRA-off reference needs LoRA; under full fine-tuning the policy keeps the reference "
+                               "(Policy.reference: a frozen copy or the EMA, train.kl_reference)")

@@ -1,0 +1,109 @@
+"""Guards against collapse and over-optimisation: the best held-out checkpoint, early stopping, KL to a
+reference for full fine-tuning, GRPO-Guard's ratio normalisation."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowrl.cli import main
+from flowrl.config import load_config
+from flowrl.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_dir(out: Path) -> Path:
+    (d,) = [p for p in out.iterdir() if p.is_dir()]
+    return d
+
+
+def test_a_collapsing_run_stops_early_and_ends_with_its_best_weights(tmp_path, capsys):
+    """The main job at 30x its learning rate: the held-out curve falls by more than the allowed drop at its
+    second point, the run stops there, and the weights it ends with (evaluated as 'after', exported in
+    checkpoints/best) are the best point's: the pretrained ones, evaluated exactly as 'before'."""
+    code = main(["train", str(ROOT / "configs" / "tiny_default.yaml"), "train.iterations=12", "train.lr=6e-3",
+                 "log.eval_every=2", "log.eval_curve_seeds=2", "log.eval_seeds=[0, 1]", "log.early_stop_drop=0.15",
+                 f"log.output_dir={tmp_path}", "log.progress=false", "log.sample_every=0", "log.save_every=0"])
+    assert code == 0
+    out = capsys.readouterr()
+    summary = json.loads(out.out.strip().splitlines()[-1])
+    run = run_dir(tmp_path)
+    curve = [json.loads(line) for line in (run / "eval_curve.jsonl").read_text().splitlines()]
+    assert [c["iteration"] for c in curve] == [0, 2] and curve[0]["all"] - curve[1]["all"] > 0.15
+    assert summary["iterations"] == 2 and summary["best"]["iteration"] == 0
+    assert summary["best"]["stopped_early"].startswith("stopping early at iteration 2: held-out all")
+    assert "the run ends with its best held-out weights" in out.err
+    assert summary["heldout_after"] == summary["heldout_before"]  # the best weights, evaluated again
+    exported = load_file(str(run / "checkpoints" / "best" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    from flowrl.models import load_adapter
+
+    pretrained = load_adapter(load_config(ROOT / "configs" / "tiny_default.yaml", []).model).transformer.state_dict()
+    assert all(torch.equal(exported[k], pretrained[k]) for k in exported)
+
+
+def test_the_best_point_mid_run_is_the_one_kept(tmp_path, capsys):
+    """A scripted curve 0.5, 0.6, 0.8, 0.7, 0.4: the best is after iteration 2; patience 2 stops at 4; the
+    exported weights are those the policy had after iteration 2 (its own checkpoint), not the last ones."""
+    code = main(["train", "log.eval=tests.helpers:ScriptedCurve", "log.eval_every=1", "log.early_stop_patience=2",
+                 "train.iterations=8", "train.lora.enabled=false", "train.lr=1e-2", "sampler.num_steps=3",
+                 "train.prompts_per_iter=1", "algorithm.group_size=2", "log.save_every=1", "log.keep_checkpoints=10",
+                 "log.sample_every=0", f"log.output_dir={tmp_path}", "log.progress=false"])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["best"]["iteration"] == 2 and summary["best"]["value"] == 0.8
+    assert summary["iterations"] == 4 and "no new best held-out all in 2 curve points" in summary["best"]["stopped_early"]
+    run = run_dir(tmp_path)
+    name = "transformer/diffusion_pytorch_model.safetensors"
+    best = load_file(str(run / "checkpoints" / "best" / name))
+    at_2 = load_file(str(run / "checkpoints" / "iter_00001" / name))  # saved after iteration index 1 = 2 done
+    last = load_file(str(run / "checkpoints" / "iter_00003" / name))
+    assert all(torch.equal(best[k], at_2[k]) for k in best)
+    assert any(not torch.equal(best[k], last[k]) for k in best)
+
+
+def test_early_stopping_needs_the_held_out_curve():
+    with pytest.raises(ConfigError, match="set log.eval .* and log.eval_every"):
+        load_config(None, ["log.early_stop_patience=3"])
+
+
+@pytest.mark.parametrize("reference", ["initial", "ema"])
+def test_kl_to_a_reference_under_full_fine_tuning(tmp_path, reference):
+    """Full fine-tuning with train.kl_beta: the reference is a frozen copy of the starting weights (or the EMA).
+    The first update's KL is exactly 0 (policy == reference); after an update it is positive, and the reference
+    velocity is the starting model's (initial) or the EMA weights' (ema), not the trained one's."""
+    from flowrl.models import load_adapter
+    from flowrl.trainer import Trainer
+
+    cfg = load_config(None, ["train.lora.enabled=false", "train.kl_beta=0.5", f"train.kl_reference={reference}",
+                             "train.ema.enabled=true", "train.ema.decay=0.5", "train.lr=1e-2", "sampler.num_steps=3",
+                             "train.prompts_per_iter=1", "algorithm.group_size=2", f"log.output_dir={tmp_path}",
+                             "log.run_name=k", "log.sample_every=0", "log.save_every=0", "log.progress=false"])
+    trainer = Trainer(cfg)
+    first = trainer.iteration(0)
+    assert first["kl_loss"] == 0.0 and first["ratio_max_abs_dev_first_update"] < 1e-6
+    second = trainer.iteration(1)
+    assert second["kl_loss"] > 0
+    adapter, policy = trainer.adapter, trainer.policy
+    x = torch.randn((2, *trainer.latent_shape), generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.9, 0.5])
+    cond = adapter.encode_prompts(["a", "b"])
+    with torch.no_grad():
+        trained = adapter.velocity(x, sigma, cond)
+        with policy.reference():
+            ref = adapter.velocity(x, sigma, cond)
+        if reference == "initial":
+            expect = load_adapter(cfg.model).velocity(x, sigma, cond)
+        else:
+            with policy.ema_weights():
+                expect = adapter.velocity(x, sigma, cond)
+        after = adapter.velocity(x, sigma, cond)
+    assert torch.equal(ref, expect) and torch.equal(after, trained)  # the context gives the policy back
+    assert (ref - trained).abs().max() > 1e-4
+
+
+def test_an_ema_reference_needs_the_ema():
+    with pytest.raises(ConfigError, match="train.kl_reference=ema: .* set train.ema.enabled=true"):
+        load_config(None, ["train.kl_beta=0.1", "train.kl_reference=ema"])
