@@ -151,6 +151,9 @@ class TrainConfig:
     adam_eps: float = opt(1e-8, lo=0.0, lo_open=True)
     clip_range: float = opt(1e-4, "PPO clip on the per-element-mean log-prob ratio", lo=0.0, lo_open=True)
     kl_beta: float = opt(0.0, "KL to the reference policy (train.kl_reference)", lo=0.0)
+    grpo_guard: bool = opt(False, "GRPO-Guard: each edge's log-ratio centred and scaled by its transition std "
+                           "(ratio normalisation), and each step's loss divided by its |dt|; stores each edge's "
+                           "sampling mean (one more latent per node). Flow-SDE kernel (flow_grpo) only")
     kl_reference: str = opt("initial", "the KL's reference: initial (the starting weights: LoRA disabled, or a frozen "
                             "copy under full fine-tuning) or ema (the EMA of the trained weights; needs train.ema)",
                             choices=["initial", "ema"])
@@ -562,6 +565,9 @@ def validate(cfg: Config) -> None:
         lo = m.resolution - m.resolution % factor
         raise ConfigError(f"model.resolution: {m.resolution} px is not a multiple of {factor} (the latent patch "
                           f"grid of this model); use {lo or factor} or {lo + factor}")
+    if cfg.train.grpo_guard and cfg.sampler.kernel != "flow_grpo":
+        raise ConfigError(f"train.grpo_guard: GRPO-Guard normalises Flow-SDE transitions; set sampler.kernel=flow_grpo "
+                          f"(not {cfg.sampler.kernel}) or train.grpo_guard=false")
     if cfg.train.kl_beta > 0 and cfg.train.kl_reference == "ema" and not cfg.train.ema.enabled:
         raise ConfigError("train.kl_reference=ema: the reference is the EMA of the weights; set "
                           "train.ema.enabled=true or train.kl_reference=initial")

@@ -40,6 +40,8 @@ class Tree:
     trained: list[torch.Tensor]  # per round: (N_r,) bool, the plan makes that edge a training candidate
     plan: RolloutPlan
     stride: list[torch.Tensor] = field(default_factory=list)  # per round: (N_r,) completion stride (0: not completing)
+    mean: list[torch.Tensor] = field(default_factory=list)  # per round: (N_r, *latent) sampling mean of the edge
+    # into each node (its sample for ODE edges); kept only when asked (GRPO-Guard), else empty
     nfe: int = 0  # node velocity evaluations (CFG counted once)
     transformer_calls: int = 0
 
@@ -75,6 +77,8 @@ class Tree:
         if any(t.num_rounds != rounds for t in trees):
             raise ValueError("Tree.concat: the trees come from different plans")
         plain = ("latents", "index", "lineage", "log_prob", "std", "level", "sde", "trained", "stride")
+        if trees[0].mean:
+            plain += ("mean",)
         out = {name: [[] for _ in range(rounds + 1)] for name in plain + ("group", "root", "parent")}
         sizes = [0] * (rounds + 1)  # nodes per round in the batches already added
         prompts = roots = 0
@@ -91,7 +95,7 @@ class Tree:
         merged = {name: [torch.cat(parts) for parts in per_round] for name, per_round in out.items()}
         return cls(trees[0].sigmas, merged["latents"], merged["index"], merged["group"], merged["root"],
                    merged["lineage"], merged["parent"], merged["log_prob"], merged["std"], merged["level"],
-                   merged["sde"], merged["trained"], trees[0].plan, merged["stride"],
+                   merged["sde"], merged["trained"], trees[0].plan, merged["stride"], merged.get("mean", []),
                    nfe=sum(t.nfe for t in trees), transformer_calls=sum(t.transformer_calls for t in trees))
 
     @property
@@ -211,13 +215,14 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
             kernel: str, noise_level: float, generator: torch.Generator, max_batch: int = 64,
             guidance_scale: float = 1.0, negative=None, log_prob_reduce: str = "mean",
             initial_noise: torch.Tensor | None = None, roots: list[int] | None = None,
-            kernel_options: dict | None = None) -> Tree:
+            kernel_options: dict | None = None, store_mean: bool = False) -> Tree:
     """Run ``plan`` for every prompt row of ``cond`` (P prompts) and return the tree.
 
     Noise is drawn on the CPU from ``generator`` at full round size, independent of ``max_batch``, so the
     same seed gives the same tree whatever the batching. ``initial_noise`` (P * roots, C, H, W) overrides
     the root draw (used by tests and sample grids). ``roots`` gives each prompt its own number of initial
-    noises (SuperFlow's per-prompt group sizes) instead of ``plan.roots_per_prompt``.
+    noises (SuperFlow's per-prompt group sizes) instead of ``plan.roots_per_prompt``. ``store_mean`` keeps each
+    edge's sampling mean in ``tree.mean`` (GRPO-Guard's ratio normalisation needs the old policy's mean).
     """
     device = adapter.device
     num_prompts = cond.embeds.shape[0]
@@ -233,11 +238,14 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
                 [torch.arange(num_prompts).repeat_interleave(torch.tensor(roots))], [torch.arange(n0)],
                 [torch.full((n0,), -1)], [torch.full((n0,), -1)], [zeros], [zeros], [zeros], [no], [no], plan,
                 [torch.zeros(n0, dtype=torch.long)])
+    if store_mean:
+        tree.mean.append(tree.latents[0])
 
     def sde_step(x, v, s, s_next, level, noise):
         out = kernel_step(kernel, x, v, s, s_next, noise_level=level, sigma_at_one=sigma_at_one, noise=noise,
                           reduce=log_prob_reduce, **(kernel_options or {}))
-        return out.sample, out.log_prob.float().cpu(), out.std.reshape(out.std.shape[0], -1)[:, 0].expand(x.shape[0]).float().cpu()
+        std = out.std.reshape(out.std.shape[0], -1)[:, 0].expand(x.shape[0]).float().cpu()
+        return out.sample, out.log_prob.float().cpu(), std, out.mean
 
     r = 0
     while True:
@@ -252,7 +260,7 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
         tree.transformer_calls += calls
         v = torch.zeros_like(x)
         v[live.to(device)] = v_live
-        parts = []  # (parent positions, latents, index, lineage, log_prob, std, level, sde, trained, stride)
+        parts = []  # (parent positions, latents, index, lineage, log_prob, std, level, sde, trained, stride, mean)
         main = live[lineage[live] < 0]
         if main.numel():
             i = int(idx[main[0]])  # the main line advances one index per round
@@ -265,19 +273,20 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
                 n = par.numel()
                 if spec.sde:
                     noise = sibling_noise(tuple(xp.shape), spec.branch, spec.sibling_noise, spec.sibling_strength, generator)
-                    xs, lp, sd = sde_step(xp, vp, s, s_next, level, noise.to(device))
+                    xs, lp, sd, mean = sde_step(xp, vp, s, s_next, level, noise.to(device))
                 else:
                     xs, lp, sd = kernel_step("ode", xp, vp, s, s_next, noise_level=0.0).sample, torch.zeros(n), torch.zeros(n)
+                    mean = xs
                 parts.append((par, xs, torch.full((n,), i + 1), torch.full((n,), -1), lp, sd, torch.full((n,), level),
-                              torch.full((n,), spec.sde), torch.full((n,), spec.trained), torch.zeros(n)))
+                              torch.full((n,), spec.sde), torch.full((n,), spec.trained), torch.zeros(n), mean))
             if spec.side:
                 par = main.repeat_interleave(spec.side)
                 xp, vp = x[par.to(device)], v[par.to(device)]
                 n, target = par.numel(), i + spec.side_merge
                 noise = torch.randn(tuple(xp.shape), generator=generator).to(device)
-                xs, lp, sd = sde_step(xp, vp, s, float(sigmas[target]), level, noise)
+                xs, lp, sd, mean = sde_step(xp, vp, s, float(sigmas[target]), level, noise)
                 parts.append((par, xs, torch.full((n,), target), torch.full((n,), i), lp, sd, torch.full((n,), level),
-                              torch.ones(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool), torch.zeros(n)))
+                              torch.ones(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool), torch.zeros(n), mean))
         comp = live[lineage[live] >= 0]
         if comp.numel():  # side branches are completed deterministically, `stride` indices per ODE step
             stride = tree.stride[r][comp]
@@ -290,7 +299,7 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
             xs = kernel_step("ode", x[par.to(device)], v[par.to(device)], sigmas[ci], sigmas[cn], noise_level=0.0).sample
             n = par.numel()
             parts.append((par, xs, cn, lineage[par], torch.zeros(n), torch.zeros(n), torch.zeros(n),
-                          torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool), step_len))
+                          torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool), step_len, xs))
         par = torch.cat([p[0] for p in parts])
         tree.parent.append(par)
         tree.latents.append(torch.cat([p[1] for p in parts]))
@@ -302,6 +311,8 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
         tree.sde.append(torch.cat([p[7] for p in parts]))
         tree.trained.append(torch.cat([p[8] for p in parts]))
         tree.stride.append(torch.cat([p[9] for p in parts]).long())
+        if store_mean:
+            tree.mean.append(torch.cat([p[10] for p in parts]))
         tree.group.append(tree.group[r][par])
         tree.root.append(tree.root[r][par])
         r += 1

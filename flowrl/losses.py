@@ -34,3 +34,19 @@ def kl_std(mode: str, std: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.
         return std
     dt = (sigma - sigma_next).abs().float().reshape(-1, *([1] * (std.ndim - 1)))
     return std / dt.sqrt()
+
+
+def guard_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor,
+                    std: torch.Tensor) -> torch.Tensor:
+    """GRPO-Guard's normalised log-ratio per edge (E,): ``(logp - logp_old + bias) * s`` with
+    ``bias = mean((mu - mu_old)^2) / (2 s^2)`` and ``s`` the edge's transition std.
+
+    With the sample ``x' = mu_old + s eps`` and per-element-mean log-probs this equals ``mean((mu - mu_old) eps)``:
+    centred at 0 whatever the step, where the plain log-ratio is biased below 0 by ``bias`` (most at low noise).
+    ``bias`` is per edge here (the maths' form); the anchor's script reduces it over the batch (spec/anchors.md 2.4).
+    mean, old_mean: (E, *latent); std: (E, *latent) or broadcastable; log-probs (E,).
+    """
+    n = mean.shape[0]
+    s = std.expand_as(mean).reshape(n, -1).mean(1)  # (E,) the transition std (one value per edge for Flow-SDE)
+    bias = ((mean - old_mean) ** 2).reshape(n, -1).mean(1) / (2 * s**2)
+    return (log_prob - old_log_prob + bias) * s

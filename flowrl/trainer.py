@@ -33,7 +33,7 @@ from .checkpoint import (
 from .config import Config
 from .engine import Tree, kernel_options, rollout
 from .errors import ConfigError, FlowRLError, Stopped
-from .losses import gaussian_kl_same_std, kl_std, ppo_clip_loss
+from .losses import gaussian_kl_same_std, guard_log_ratio, kl_std, ppo_clip_loss
 from .models import load_adapter
 from .policy import Policy
 from .rundir import RunFolder
@@ -331,7 +331,7 @@ class Trainer:
                            kernel=cfg.sampler.kernel, noise_level=cfg.sampler.noise_level, generator=gen,
                            max_batch=cfg.sampler.max_batch, guidance_scale=cfg.sampler.guidance_scale,
                            negative=self.negative, log_prob_reduce=cfg.train.log_prob_reduce, kernel_options=kernel_options(cfg),
-                           roots=roots[a:b] if roots else None)
+                           roots=roots[a:b] if roots else None, store_mean=cfg.train.grpo_guard)
             images = self.adapter.decode(part.leaves)
             t_rollout += time.perf_counter() - start
             rows = (part.leaf_group + a).tolist()
@@ -384,6 +384,9 @@ class Trainer:
                               sigma_at_one=sigma_at_one, prev_sample=prev[md], reduce=cfg.train.log_prob_reduce,
                               **options)
             logp[md] = out.log_prob
+            if cfg.train.grpo_guard:  # the normalised log-ratio, carried as old + (logp - old + bias) * s
+                mean_old = tree.gather(tree.mean, rnd[m], child[m]).to(dev)
+                logp[md] = old[m].to(dev) + guard_log_ratio(out.log_prob, old[m].to(dev), out.mean, mean_old, out.std)
             if v_ref is not None:
                 ref = kernel_step(cfg.sampler.kernel, x[pos[md]], v_ref[pos[md]], s[m], s_next[m], noise_level=lv,
                                   sigma_at_one=sigma_at_one, prev_sample=prev[md])
@@ -400,6 +403,9 @@ class Trainer:
         self.adapter.transformer.train()
         items = algo.work_items(tree, node_adv, masks, gen)
         weights = algo.loss_weights(tree, masks)
+        if cfg.train.grpo_guard:  # GRPO-Guard's per-step reweighting: each step's loss divided by its |dt|
+            dt = (tree.sigmas[:-1] - tree.sigmas[1:]).abs().tolist()
+            weights = {i: (weights or {}).get(i, 1.0) / d for i, d in enumerate(dt) if d > 0}
         stats = {"trained_edges": sum(len(u.children) for it in items for u in it), "nfe_train": 0, "optimizer_steps": 0,
                  "clipfrac": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0, "ratio_std": 0.0, "policy_loss": 0.0,
                  "kl_loss": 0.0, "grad_norm": 0.0, "ratio_max_abs_dev_first_update": 0.0, "work_items": len(items)}

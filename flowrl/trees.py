@@ -64,14 +64,16 @@ def fuse_rewards(tree: Tree, leaf_rewards: torch.Tensor, mode: str = "uniform", 
 
 def depth_advantages(tree: Tree, values: list[torch.Tensor], ddof: int = 1, eps: float = 1e-8,
                      zero_std_threshold: float = 1e-6) -> tuple[list[torch.Tensor], dict]:
-    """Z-score of the fused values among the nodes of one tree at one depth. Returns per-round (N_r,) float32
-    advantages and counts of (tree, depth) groups that were all equal (zero advantage on purpose)."""
+    """Z-score of the fused values among the nodes of one prompt at one depth: with one tree per prompt the
+    paper's per-(tree, depth) statistics; with several trees per prompt (BranchGRPO's ``trees_per_prompt``) the
+    nodes of all of them, so a small branch factor still gives graded advantages. Returns per-round (N_r,)
+    float32 advantages and counts of (prompt, depth) groups that were all equal (zero advantage on purpose)."""
     adv = [torch.zeros(v.shape[0]) for v in values]
     groups = zero = 0
     for r in range(1, tree.num_rounds + 1):
-        roots = tree.root[r]
-        for root in roots.unique().tolist():
-            m = roots == root
+        prompts = tree.group[r]
+        for prompt in prompts.unique().tolist():
+            m = prompts == prompt
             v = values[r][m]
             if v.numel() <= 1:
                 continue

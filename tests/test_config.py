@@ -117,7 +117,7 @@ def test_algorithm_checks_fail_at_load_in_one_line_and_write_nothing(tmp_path, c
     base = ["train", f"log.output_dir={out}", "data.prompts=[a cat]"]
     cases = [
         (["configs/tiny_branch_grpo.yaml", "algorithm.group_size=8"],
-         "algorithm.group_size (8) must equal branch_factor ** len(split_steps) = 2^4 = 16"),
+         "algorithm.group_size (8) must equal trees_per_prompt x branch_factor ** len(split_steps) = 1 x 2^4 = 16"),
         (["configs/tiny_branch_grpo.yaml", "algorithm.split_steps=[0, 25]"], "algorithm.split_steps: steps [25] are outside"),
         (["configs/tiny_e_grpo.yaml", "algorithm.merge=list", "algorithm.merge_lengths=[1, 2]"],
          "algorithm.merge_lengths needs one length per active step (8"),

@@ -107,3 +107,56 @@ def test_kl_to_a_reference_under_full_fine_tuning(tmp_path, reference):
 def test_an_ema_reference_needs_the_ema():
     with pytest.raises(ConfigError, match="train.kl_reference=ema: .* set train.ema.enabled=true"):
         load_config(None, ["train.kl_beta=0.1", "train.kl_reference=ema"])
+
+
+def test_grpo_guard_log_ratio_is_the_centred_form_by_hand():
+    """x' = mu_old + s eps with per-element-mean Gaussian log-probs: (logp - logp_old + bias) * s equals
+    mean((mu - mu_old) * eps), while the plain log-ratio is that / s minus the bias. By hand for one 2-element
+    edge: mu_old = (0, 0), mu = (0.1, -0.2), eps = (1, 2), s = 0.5 -> mean(0.1 * 1, -0.2 * 2) = -0.15."""
+    from flowrl.losses import guard_log_ratio
+    from flowrl.samplers.kernels import gaussian_log_prob
+
+    mu_old, mu = torch.zeros(1, 2), torch.tensor([[0.1, -0.2]])
+    eps, s = torch.tensor([[1.0, 2.0]]), torch.full((1, 2), 0.5)
+    x = mu_old + s * eps
+    logp, old = gaussian_log_prob(x, mu, s), gaussian_log_prob(x, mu_old, s)
+    bias = (0.1**2 + 0.2**2) / 2 / (2 * 0.25)  # 0.05
+    assert float(logp - old) == pytest.approx(-0.15 / 0.5 - bias, abs=1e-6)
+    assert float(guard_log_ratio(logp, old, mu, mu_old, s)) == pytest.approx(-0.15, abs=1e-6)
+    # random edges: the identity holds per edge
+    g = torch.Generator().manual_seed(0)
+    mu_old, delta, eps = (torch.randn(5, 3, 4, 4, generator=g) for _ in range(3))
+    s = torch.rand(5, 1, 1, 1, generator=g) + 0.1
+    mu = mu_old + 0.1 * delta
+    x = mu_old + s * eps
+    got = guard_log_ratio(gaussian_log_prob(x, mu, s), gaussian_log_prob(x, mu_old, s), mu, mu_old, s)
+    assert torch.allclose(got, ((mu - mu_old) * eps).mean(dim=(1, 2, 3)), atol=1e-5)
+
+
+def test_grpo_guard_trains_with_ratio_one_first_and_needs_flow_sde(tmp_path):
+    from flowrl.trainer import Trainer
+
+    cfg = load_config(None, ["train.grpo_guard=true", "sampler.num_steps=4", "train.prompts_per_iter=2",
+                             "algorithm.group_size=2", "train.num_minibatches=2", f"log.output_dir={tmp_path}",
+                             "log.run_name=g", "log.sample_every=0", "log.save_every=0", "log.progress=false"])
+    trainer = Trainer(cfg)
+    row = trainer.iteration(0)
+    assert row["ratio_max_abs_dev_first_update"] == 0.0 and row["optimizer_steps"] == 2
+    assert row["ratio_mean"] != 1.0  # the second minibatch sees the moved policy through the normalised ratio
+    # the stored means are the sampling means: each SDE node's old log-prob is its latent's under N(mean, std)
+    from flowrl.engine import rollout
+    from flowrl.samplers.kernels import gaussian_log_prob
+    from flowrl.samplers.plans import RolloutPlan, StepSpec
+
+    plan = RolloutPlan([StepSpec(sde=k % 2 == 0, trained=k % 2 == 0) for k in range(4)], roots_per_prompt=2)
+    tree = rollout(trainer.adapter, trainer.adapter.encode_prompts(["a"]), plan, trainer.sigmas,
+                   trainer.latent_shape, kernel="flow_grpo", noise_level=0.7, generator=torch.Generator().manual_seed(0),
+                   store_mean=True)
+    assert len(tree.mean) == len(tree.latents) == 5
+    for r in (1, 3):  # SDE steps 0 and 2
+        std = tree.std[r].view(-1, 1, 1, 1)
+        assert torch.allclose(gaussian_log_prob(tree.latents[r], tree.mean[r], std), tree.log_prob[r], atol=1e-5)
+    for r in (2, 4):  # ODE steps: the mean is the sample
+        assert torch.equal(tree.mean[r], tree.latents[r])
+    with pytest.raises(ConfigError, match="set sampler.kernel=flow_grpo"):
+        load_config(None, ["train.grpo_guard=true", "sampler.kernel=dance"])

@@ -88,6 +88,31 @@ def test_uniform_fusion_and_depth_zscore_by_hand():
     assert stats == {"depth_groups": 2, "depth_groups_zero_std": 0}
 
 
+def test_several_trees_per_prompt_pool_their_depth_statistics_by_hand():
+    """Two trees for one prompt (roots 0 and 1), each branching 2 ways at step 0, then one chain step; leaf
+    rewards (1, 2 | 3, 6). Per tree the depth-1 z-scores are only signs (-0.707, +0.707 in both trees); pooled over
+    the prompt's trees: mean 3, unbiased std sqrt(14 / 3), so (-2, -1, 0, 3) / 2.1602. A second prompt's trees
+    form their own pool."""
+    tree = Tree.skeleton([[0, 0, 1, 1], [0, 1, 2, 3]], groups=[0, 0])
+    values = trees.fuse_rewards(tree, torch.tensor([1.0, 2.0, 3.0, 6.0]))
+    adv, stats = trees.depth_advantages(tree, values, ddof=1, eps=0.0)
+    std = math.sqrt(14 / 3)
+    for r in (1, 2):
+        assert adv[r] == pytest.approx([-2 / std, -1 / std, 0.0, 3 / std], abs=1e-6)
+    assert stats == {"depth_groups": 2, "depth_groups_zero_std": 0}
+    two = Tree.skeleton([[0, 0, 1, 1], [0, 1, 2, 3]], groups=[0, 1])  # one tree per prompt: per-tree signs
+    adv2, _ = trees.depth_advantages(two, trees.fuse_rewards(two, torch.tensor([1.0, 2.0, 3.0, 6.0])), ddof=1, eps=0.0)
+    assert adv2[1] == pytest.approx([-1 / math.sqrt(2), 1 / math.sqrt(2)] * 2, abs=1e-6)
+
+
+def test_branch_grpo_plans_several_trees_per_prompt():
+    cfg = branch_cfg("algorithm.trees_per_prompt=3", "algorithm.split_steps=[0, 3]", "algorithm.group_size=12")
+    plan = make_algorithm(cfg).plan(0)
+    assert plan.roots_per_prompt == 3 and plan.leaves_per_prompt == 12
+    with pytest.raises(Exception, match="= 3 x 2\\^2 = 12"):
+        branch_cfg("algorithm.trees_per_prompt=3", "algorithm.split_steps=[0, 3]", "algorithm.group_size=4")
+
+
 def test_weighted_fusions_by_hand():
     # edge log-probs: round 1 (0, -1); round 2 (0, ln 3, 0, 0)
     tree = Tree.skeleton([[0, 0], [0, 0, 1, 1]], log_probs=[[0.0, -1.0], [0.0, math.log(3), 0.0, 0.0]])

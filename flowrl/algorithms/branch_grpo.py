@@ -1,6 +1,6 @@
-"""BranchGRPO (arXiv 2509.06040): one root per prompt that branches K ways at the split steps (K ** |B|
-leaves form the group), every edge trained; leaf rewards are fused up the tree, advantages are z-scored per
-(tree, depth), and width / depth pruning drop gradient work. ``mix``: ODE outside the split steps and the
+"""BranchGRPO (arXiv 2509.06040): one root per prompt (or ``trees_per_prompt``) that branches K ways at the split
+steps (K ** |B| leaves per tree form the group), every edge trained; leaf rewards are fused up the tree,
+advantages are z-scored per (prompt, depth) over the prompt's trees, and width / depth pruning drop gradient work. ``mix``: ODE outside the split steps and the
 window (BranchGRPO-Mix). Tree maths: flowrl/trees.py; spec: ../shared/spec/algorithms.md section 1."""
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from .flow_grpo import FlowGRPO
 
 @dataclass
 class BranchGRPOOptions(AlgorithmOptions):
-    group_size: Optional[int] = opt(None, "leaves per tree; must equal branch_factor ** len(split_steps) "
-                                    "(null: derived)")
+    group_size: Optional[int] = opt(None, "leaves per prompt; must equal trees_per_prompt x branch_factor ** "
+                                    "len(split_steps) (null: derived)")
+    trees_per_prompt: int = opt(1, "roots per prompt; depth-wise advantages pool the nodes of all of a prompt's "
+                                "trees, so K = 2 gives graded advantages instead of a sign", lo=1)
     split_steps: list[int] = opt([0, 3, 6, 9], "step indices where every node branches")
     branch_factor: int = opt(2, "children per node at a split step (K)", lo=2)
     sibling_noise: str = opt("correlated", "correlated: the paper's marginal-preserving sibling noise; scaled: the "
@@ -53,11 +55,11 @@ class BranchGRPO(FlowGRPO):
     def check(cls, cfg) -> None:
         o, t = cfg.algorithm, cfg.sampler.num_steps
         splits = check_steps("algorithm.split_steps", o.split_steps, t)
-        leaves = o.branch_factor ** len(splits)
+        leaves = o.trees_per_prompt * o.branch_factor ** len(splits)
         if o.group_size is not None and o.group_size != leaves:
-            raise ConfigError(f"algorithm.group_size ({o.group_size}) must equal branch_factor ** len(split_steps) "
-                              f"= {o.branch_factor}^{len(splits)} = {leaves} for branch_grpo; set "
-                              f"algorithm.group_size={leaves} or leave it out")
+            raise ConfigError(f"algorithm.group_size ({o.group_size}) must equal trees_per_prompt x branch_factor ** "
+                              f"len(split_steps) = {o.trees_per_prompt} x {o.branch_factor}^{len(splits)} = {leaves} "
+                              f"for branch_grpo; set algorithm.group_size={leaves} or leave it out")
         if o.window.size and not o.mix:
             raise ConfigError("algorithm.window: branch_grpo uses a window only with algorithm.mix=true")
         check_window(cfg, required=False)
@@ -75,7 +77,7 @@ class BranchGRPO(FlowGRPO):
             sde = [True] * t
         steps = [StepSpec(sde=sde[i], branch=o.branch_factor if i in splits else 1, trained=sde[i],
                           sibling_noise=o.sibling_noise, sibling_strength=o.sibling_strength) for i in range(t)]
-        return RolloutPlan(steps, roots_per_prompt=1, notes=notes)
+        return RolloutPlan(steps, roots_per_prompt=o.trees_per_prompt, notes=notes)
 
     def advantages(self, tree, rewards: torch.Tensor, it: int, prompts: list[str] | None = None):
         """Fused node values, depth-wise z-scores (clipped), and pruning masks while pruning is on."""
