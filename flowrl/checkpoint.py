@@ -28,7 +28,7 @@ def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(ckpt_dir: Path, adapter, transformer, optimizer, iteration: int, lora: bool, ema=None,
-                    extra: dict | None = None, keep: int = 2) -> Path:
+                    extra: dict | None = None, keep: int = 2, tensors: dict | None = None) -> Path:
     """``adapter.save_lora`` writes LoRA weights in its family's diffusers format; full fine-tuning saves the
     transformer with ``save_pretrained`` (safetensors)."""
     ckpt_dir = Path(ckpt_dir)
@@ -37,7 +37,7 @@ def save_checkpoint(ckpt_dir: Path, adapter, transformer, optimizer, iteration: 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        _write_checkpoint(tmp, adapter, transformer, optimizer, iteration, lora, ema, extra)
+        _write_checkpoint(tmp, adapter, transformer, optimizer, iteration, lora, ema, extra, tensors)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
         raise
@@ -51,7 +51,8 @@ def save_checkpoint(ckpt_dir: Path, adapter, transformer, optimizer, iteration: 
     return ckpt_dir
 
 
-def _write_checkpoint(tmp: Path, adapter, transformer, optimizer, iteration: int, lora: bool, ema, extra) -> None:
+def _write_checkpoint(tmp: Path, adapter, transformer, optimizer, iteration: int, lora: bool, ema, extra,
+                      tensors=None) -> None:
     if lora:
         # the adapter metadata (rank, alpha, targets) lets diffusers rebuild the same scale alpha / r
         peft_cfg = transformer.peft_config["default"].to_dict()
@@ -62,6 +63,7 @@ def _write_checkpoint(tmp: Path, adapter, transformer, optimizer, iteration: int
     state = {"optimizer": optimizer.state_dict(), "iteration": iteration}
     if ema is not None:
         state["ema"] = ema.state_dict()
+    state.update(tensors or {})  # further trainer state (the old policy's weights)
     torch.save(state, tmp / STATE_FILE)
     (tmp / "state.json").write_text(json.dumps({"iteration": iteration, "lora": lora, **(extra or {})}, indent=1))
 

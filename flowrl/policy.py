@@ -53,6 +53,7 @@ class Policy:
 
             self.ema = EMAModel(self.params, decay=t.ema.decay)  # decay min((1+n)/(10+n), d) = Flow-GRPO's
         self.adapter = adapter
+        self.old = None  # the old (sampling) policy's weights, where the algorithm keeps one
         self.kl_reference = t.kl_reference if t.kl_beta > 0 else None
         self.frozen = None  # full fine-tuning's reference: a frozen copy of the starting weights (2x the memory)
         if self.kl_reference == "initial" and not self.lora:
@@ -81,6 +82,32 @@ class Policy:
     def module(self):
         """The transformer without accelerate's wrapper."""
         return self.accelerator.unwrap_model(self.adapter.transformer)
+
+    # ---------------------------------------------------------------- the old (sampling) policy
+    def enable_old_policy(self) -> None:
+        """Keep an old copy of the trainable weights (DiffusionNFT's sampling policy)."""
+        self.old = [p.detach().clone() for p in self.params]
+
+    @contextmanager
+    def old_weights(self):
+        """The old weights in place of the trained ones for the duration; nothing when there is no old copy."""
+        if self.old is None:
+            yield
+            return
+        current = [p.detach().clone() for p in self.params]
+        for p, o in zip(self.params, self.old):
+            p.data.copy_(o)
+        try:
+            yield
+        finally:
+            for p, c in zip(self.params, current):
+                p.data.copy_(c)
+
+    @torch.no_grad()
+    def follow_old(self, decay: float) -> None:
+        """old <- decay * old + (1 - decay) * trained."""
+        for o, p in zip(self.old, self.params):
+            o.mul_(decay).add_(p.detach(), alpha=1 - decay)
 
     def reset_ema(self) -> None:
         """The EMA restarts from the current weights (after loading other weights into the policy)."""

@@ -19,6 +19,7 @@ ALGORITHMS: dict[str, Any] = {
         ("flow_grpo", "FlowGRPO"), ("flow_grpo_fast", "FlowGRPOFast"), ("mix_grpo", "MixGRPO"),
         ("dance_grpo", "DanceGRPO"), ("branch_grpo", "BranchGRPO"), ("tempflow_grpo", "TempFlowGRPO"),
         ("e_grpo", "EGRPO"), ("chunk_grpo", "ChunkGRPO"), ("superflow", "SuperFlow"), ("ada_grpo", "AdaGRPO"),
+        ("diffusion_nft", "DiffusionNFT"),
     ]
 }
 # built-in prompt sets: a function returning the list of prompts
@@ -33,7 +34,7 @@ EVALUATORS: dict[str, Any] = {"shapes": "flowrl.shapes.evaluate:ShapesEvaluator"
                               "moving-shapes": "flowrl.shapes.evaluate:MovingShapesEvaluator"}
 # pretrained model names that are not hub ids: a function(model_cfg) -> diffusers pipeline
 MODEL_NAMES: dict[str, Any] = {"tiny-shapes": "flowrl.models.tiny:load_tiny_shapes_pipeline",
-                               "tiny-moving-shapes": "flowrl.models.tiny:load_tiny_moving_shapes_pipeline"}
+                               "tiny-moving-shapes": "flowrl.shapes.video_model:load_tiny_moving_shapes_pipeline"}
 
 
 def _import(path: str, what: str):

@@ -68,6 +68,8 @@ class Trainer:
         self.adapter = load_adapter(cfg.model, self.device)
         self.latent_shape = self.adapter.latent_shape(cfg.model.resolution)
         self.policy = Policy(cfg, self.adapter, self.device)
+        if self.algorithm.keeps_old_policy:
+            self.policy.enable_old_policy()
         self.accelerator = self.policy.accelerator
         # ODE sampling on the rollout grid (AdaGRPO's anchors) and on the evaluation grid (grids, held-out)
         self.rollout_sampler = Sampler(cfg, self.adapter, num_steps=cfg.sampler.num_steps)
@@ -110,6 +112,8 @@ class Trainer:
                               "resume with the run's own config.yaml") from exc
         if self.policy.ema is not None and "ema" in state:
             self.policy.ema.load_state_dict(state["ema"])
+        if self.policy.old is not None and "old_policy" in state:
+            self.policy.old = [t.to(p.device) for t, p in zip(state["old_policy"], self.policy.params)]
         self.algorithm.load_state_dict(json.loads((ckpt / "state.json").read_text()).get("algorithm_state", {}))
 
     @contextmanager
@@ -260,7 +264,8 @@ class Trainer:
         self.adapter.transformer.eval()
         prompts, metadata, roots = algo.choose_prompts(self.context, it, gen, row)
         cond = self.adapter.encode_prompts(prompts)
-        tree, scores, timing = self._rollout_and_score(cond, plan, gen, prompts, metadata, roots)
+        with self.policy.old_weights():  # the old policy samples, where the algorithm keeps one
+            tree, scores, timing = self._rollout_and_score(cond, plan, gen, prompts, metadata, roots)
         row.update(timing)
         t2 = time.perf_counter()
         if not torch.isfinite(scores.total).any():
@@ -272,7 +277,12 @@ class Trainer:
         masks = algo.select_edges(tree, gen)
         adv_stats["pruned_edges"] = sum(int((m & ~k).sum()) for m, k in zip(masks, keep))
         masks = [m & k for m, k in zip(masks, keep)]
-        train_stats = self.update(tree, cond, node_adv, masks, gen)
+        if algo.forward_process:
+            train_stats = self.forward_process_update(tree, cond, node_adv, gen)
+        else:
+            train_stats = self.update(tree, cond, node_adv, masks, gen)
+        if self.policy.old is not None:
+            self.policy.follow_old(algo.old_decay(it))
         algo.observe_update(train_stats)
         t3 = time.perf_counter()
         for name, values in [("total", scores.total)] + list(scores.components.items()):
@@ -460,6 +470,66 @@ class Trainer:
             raise FlowRLError("non-finite gradient norm; lower train.lr or use fp32 (train.mixed_precision=no)")
         return stats
 
+    def forward_process_update(self, tree: Tree, cond, node_adv, gen: torch.Generator) -> dict:
+        """Training on the forward process (DiffusionNFT): every clean leaf is re-noised at the algorithm's grid
+        timesteps and the algorithm's per-sample loss is minimised, with the old policy's velocity beside the
+        trained one's (and the reference's for train.kl_beta); minibatches and micro-batches as in :meth:`update`."""
+        cfg, algo, policy = self.cfg, self.algorithm, self.policy
+        dev = self.device
+        self.adapter.transformer.train()
+        x0_all = tree.leaves.to(dev)  # (L, *latent) clean samples
+        adv_all = tree.leaf_values(node_adv).float().clamp(-cfg.advantage.clip, cfg.advantage.clip)  # (L,)
+        rows_all = tree.leaf_group
+        t_all = algo.training_timesteps(x0_all.shape[0], self.sigmas, gen)  # (L, k) re-noising sigmas
+        items = [(i, j) for i in range(t_all.shape[0]) for j in range(t_all.shape[1])]
+        dims = tuple(range(1, x0_all.ndim))
+        stats = {"trained_edges": 0, "work_items": len(items), "nfe_train": 0, "optimizer_steps": 0,
+                 "clipfrac": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0, "ratio_std": 0.0,
+                 "ratio_max_abs_dev_first_update": 0.0}
+        losses, kls, gaps, grad_norms = [], [], [], []
+        for _ in range(cfg.train.inner_epochs):
+            order = torch.randperm(len(items), generator=gen).tolist()
+            n_mb = min(cfg.train.num_minibatches, len(order))
+            for mb in range(n_mb):
+                mb_items = [items[k] for k in order[mb::n_mb]]
+                policy.optimizer.zero_grad(set_to_none=True)
+                for a in range(0, len(mb_items), cfg.train.micro_batch):
+                    chunk = mb_items[a: a + cfg.train.micro_batch]
+                    li = torch.tensor([i for i, _ in chunk])
+                    t = t_all[li, torch.tensor([j for _, j in chunk])].to(dev)  # (B,)
+                    x0 = x0_all[li.to(dev)]
+                    eps = torch.randn(x0.shape, generator=gen).to(dev)
+                    tt = t.view(-1, *([1] * (x0.ndim - 1)))
+                    x_t = (1 - tt) * x0 + tt * eps  # (B, *latent) on the forward process
+                    rows = cond.index(rows_all[li].to(cond.embeds.device))
+                    with torch.no_grad(), self.accelerator.autocast():  # before v: the swaps are in place
+                        with policy.old_weights():
+                            v_old = self.adapter.velocity(x_t, t, rows)
+                        v_ref = None
+                        if cfg.train.kl_beta > 0:
+                            with policy.reference():
+                                v_ref = self.adapter.velocity(x_t, t, rows)
+                    with self.accelerator.autocast():
+                        v = self.adapter.velocity(x_t, t, rows)
+                    loss = algo.forward_process_terms(x0, x_t, t, v, v_old, adv_all[li].to(dev))  # (B,)
+                    kl = ((v - v_ref) ** 2).mean(dim=dims) if v_ref is not None else torch.zeros_like(loss)
+                    self.accelerator.backward((loss + cfg.train.kl_beta * kl).sum() / len(mb_items))
+                    stats["nfe_train"] += len(chunk)
+                    losses.append(loss.detach())
+                    kls.append(kl.detach())
+                    gaps.append(((v.detach() - v_old) ** 2).mean(dim=dims))
+                grad_norms.append(float(self.accelerator.clip_grad_norm_(policy.params, cfg.train.max_grad_norm)))
+                policy.optimizer.step()
+                stats["optimizer_steps"] += 1
+                if policy.ema is not None and stats["optimizer_steps"] % cfg.train.ema.update_every == 0:
+                    policy.ema.step(policy.params)
+        stats.update({"policy_loss": float(torch.cat(losses).mean()), "kl_loss": float(torch.cat(kls).mean()),
+                      "grad_norm": sum(grad_norms) / len(grad_norms), "mean_abs_log_ratio": 0.0,
+                      "old_policy_gap": float(torch.cat(gaps).mean())})  # mean (v - v_old)^2: how far the old lags
+        if not math.isfinite(stats["grad_norm"]):
+            raise FlowRLError("non-finite gradient norm; lower train.lr or use fp32 (train.mixed_precision=no)")
+        return stats
+
     # ------------------------------------------------------------------------------------------ outputs
     def sample_grid(self, it: int) -> Path:
         cfg = self.cfg
@@ -474,7 +544,8 @@ class Trainer:
         p = self.policy
         return save_checkpoint(self.run_dir / "checkpoints" / f"iter_{it:05d}", self.adapter, p.module, p.optimizer, it,
                                lora=p.lora, ema=p.ema, extra={"algorithm_state": self.algorithm.state_dict()},
-                               keep=self.cfg.log.keep_checkpoints)
+                               keep=self.cfg.log.keep_checkpoints,
+                               tensors={"old_policy": p.old} if p.old is not None else None)
 
 
 def _micro_batches(items: list[list[Unit]], max_units: int):

@@ -38,6 +38,8 @@ class FlowGRPOOptions(WindowedOptions):
 class FlowGRPO:
     Options = FlowGRPOOptions
     window_required = False
+    forward_process = False  # True: trained on re-noised clean samples (DiffusionNFT), not on transitions
+    keeps_old_policy = False  # True: rollouts use an old copy of the weights that follows the trained ones
 
     def __init__(self, cfg):
         self.cfg = cfg

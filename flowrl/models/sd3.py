@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
 from .common import DTYPES, JOINT_ATTENTION_LORA_TARGETS, PipelineAdapter, load_pipeline
 
 SD3_PRESETS = {

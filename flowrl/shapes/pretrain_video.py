@@ -68,7 +68,7 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
                         progress: bool = True, decay_from: int | None = None, lr_final: float = 0.1) -> Path:
     from diffusers.training_utils import EMAModel
 
-    from ..models.tiny import MOVING_SHAPES_TINY, build_tiny_moving_shapes_pipeline
+    from .video_model import MOVING_SHAPES_TINY, build_tiny_moving_shapes_pipeline
 
     work_dir = Path(work_dir)
     torch.manual_seed(seed)

@@ -1,0 +1,75 @@
+"""The embedded tiny video model (``model.pretrained: tiny-moving-shapes``): a pixel-space Wan 2.1-architecture
+transformer and a tiny UMT5 encoder, built from its fixed config or loaded from the package's assets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import FlowRLError
+from ..resources import assets_dir
+from .moving import FRAMES, RESOLUTION, all_specs
+
+
+# The embedded video model's fixed architecture (pretrained by `flowrl pretrain-tiny-video`): pixel space, 4 frames
+# of 20 px, 4x4-pixel patches (25 tokens per frame, 100 per clip), 4 blocks of 3 heads x 64.
+MOVING_SHAPES_TINY = {"patch_size": (1, 4, 4), "num_attention_heads": 3, "attention_head_dim": 64, "ffn_dim": 512,
+                      "num_layers": 4, "text_dim": 64, "text_layers": 2, "max_tokens": 16}
+
+
+def build_moving_shapes_tokenizer():
+    """A byte-level BPE tokenizer trained offline on the moving-shapes captions (deterministic), so each word of a
+    caption is one token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([s.prompt for s in all_specs()], trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>")
+
+
+def build_tiny_moving_shapes_pipeline(seed: int = 0):
+    """The embedded video model's architecture, randomly initialised: a pixel-space (no VAE) Wan 2.1 transformer
+    and a tiny UMT5 encoder with the domain tokenizer; flow-matching scheduler with shift 1."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    c = MOVING_SHAPES_TINY
+    torch.manual_seed(seed)
+    tokenizer = build_moving_shapes_tokenizer()
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=c["text_dim"], d_kv=16,
+                                               d_ff=2 * c["text_dim"], num_layers=c["text_layers"], num_heads=4,
+                                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                               decoder_start_token_id=tokenizer.pad_token_id))
+    transformer = WanTransformer3DModel(
+        patch_size=c["patch_size"], num_attention_heads=c["num_attention_heads"],
+        attention_head_dim=c["attention_head_dim"], in_channels=3, out_channels=3, text_dim=c["text_dim"],
+        freq_dim=64, ffn_dim=c["ffn_dim"], num_layers=c["num_layers"], rope_max_seq_len=64)
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=None,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), transformer=transformer)
+
+
+def load_tiny_moving_shapes_pipeline(path: str | Path | None = None):
+    """The shipped pretrained tiny video model (or a folder written by ``flowrl pretrain-tiny-video --export-dir``)
+    as a pixel-space WanPipeline (fp32), its tokenizer rebuilt offline."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5EncoderModel
+
+    path = Path(path) if path else assets_dir() / "tiny_moving_shapes"
+    if not (path / "transformer" / "config.json").is_file():
+        raise FlowRLError(f"the pretrained tiny video model is missing at {path}; run `flowrl pretrain-tiny-video` "
+                          "to rebuild it")
+    kw = {"torch_dtype": torch.float32}
+    pipe = WanPipeline(
+        tokenizer=build_moving_shapes_tokenizer(),
+        text_encoder=UMT5EncoderModel.from_pretrained(str(path / "text_encoder"), **kw), vae=None,
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(str(path / "scheduler")),
+        transformer=WanTransformer3DModel.from_pretrained(str(path / "transformer"), **kw))
+    pipe.embedded_geometry = {"resolution": RESOLUTION, "num_frames": FRAMES}
+    pipe.embedded_max_tokens = MOVING_SHAPES_TINY["max_tokens"]
+    return pipe
