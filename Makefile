@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.flowrl-installed
 
-.PHONY: demo test test-slow bench setup clean
+.PHONY: demo demo-video test test-slow bench setup clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/flowrl train configs/tiny_default.yaml
+
+demo-video: $(STAMP)
+	$(VENV)/bin/flowrl train configs/tiny_video_default.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -60,6 +60,13 @@ def _checkpoint_and_config(args, default_config: Path | None = None):
     return ckpt, load_config(args.config or ckpt.parent.parent / "config.yaml", args.overrides)
 
 
+def _split_name(split: str, cfg) -> str:
+    """--split heldout / train -> the prompt set of the config's domain (moving-shapes-* for the video model)."""
+    if split.startswith(("shapes-", "moving-shapes-")):
+        return split
+    return f"moving-shapes-{split}" if cfg.log.eval == "moving-shapes" else f"shapes-{split}"
+
+
 def _load_checkpoint_into(adapter, cfg, ckpt: Path) -> None:
     """A run's LoRA or full fine-tuning weights into the base model's adapter."""
     from .checkpoint import checkpoint_is_lora, load_full_into, load_lora_into
@@ -139,7 +146,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    """Held-out shapes accuracy of the shipped model (no arguments) or of a run's checkpoint; with
+    """Held-out accuracy (shapes, or moving shapes for a config with log.eval: moving-shapes) of the shipped model
+    (no arguments) or of a run's checkpoint; with
     --prompts / --reward, the papers' reward table (mean and std per metric) on a prompt file, also as CSV."""
     from .evaluate import format_table, reward_table
     from .models import load_adapter
@@ -161,7 +169,7 @@ def cmd_eval(args) -> int:
             if not prompts:
                 raise FlowRLError(f"--prompts {args.prompts}: the file holds no prompts")
         else:
-            prompts = prompt_set(args.split)
+            prompts = prompt_set(_split_name(args.split, cfg))
             metadata = [{} for _ in prompts]
         try:
             reward_args = [json.loads(a) for a in (args.reward_args or [])]
@@ -181,9 +189,10 @@ def cmd_eval(args) -> int:
     info = {"model": cfg.model.pretrained, "checkpoint": str(ckpt) if ckpt else None, "steps": len(sampler.sigmas) - 1,
             "guidance_scale": sampler.guidance_scale}
     if not table_mode:
-        from .shapes.evaluate import shapes_accuracy
+        from .shapes.evaluate import moving_shapes_accuracy, shapes_accuracy
 
-        result = shapes_accuracy(sampler, seeds, split=args.split)
+        accuracy = moving_shapes_accuracy if cfg.log.eval == "moving-shapes" else shapes_accuracy
+        result = accuracy(sampler, seeds, split=_split_name(args.split, cfg))
         result.update(info)
         print(json.dumps(result))
         return 0
@@ -223,7 +232,8 @@ def cmd_pretrain_tiny_video(args) -> int:
 
     pretrain_tiny_video(args.work_dir, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                         save_every=args.save_every, eval_every=args.eval_every, export_dir=args.export_dir,
-                        decay_from=args.decay_from, lr_final=args.lr_final)
+                        decay_from=args.decay_from, lr_final=args.lr_final, shift=args.shift,
+                        init_from=args.init_from)
     return 0
 
 
@@ -304,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("overrides", nargs="*")
     e.add_argument("--checkpoint", help="checkpoint folder or run directory (LoRA or full fine-tuning)")
     e.add_argument("--iteration", type=int, help="with a run directory: the checkpoint saved after this iteration")
-    e.add_argument("--split", default="shapes-heldout", choices=["shapes-heldout", "shapes-train"])
+    e.add_argument("--split", default="heldout", choices=["heldout", "train", "shapes-heldout", "shapes-train",
+                                                          "moving-shapes-heldout", "moving-shapes-train"],
+                   help="held-out or training captions of the config's domain (log.eval: shapes or moving-shapes)")
     e.add_argument("--seeds", help="comma-separated seeds (default log.eval_seeds)")
     e.add_argument("--steps", type=int)
     e.add_argument("--cfg", type=float, help="guidance scale (default sampler.guidance_scale)")
@@ -342,6 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
     pv.add_argument("--decay-from", type=int, default=None,
                     help="step at which a cosine learning-rate decay starts (ends at --steps); default constant")
     pv.add_argument("--lr-final", type=float, default=0.1, help="final learning rate as a fraction of --lr")
+    pv.add_argument("--shift", type=float, default=1.0, help="time shift of the training sigmas and the exported "
+                    "scheduler (3 puts more training at high noise, where the layout is decided)")
+    pv.add_argument("--init-from", help="warm start: the transformer of an earlier run's state folder "
+                    "(<work-dir>/state), e.g. after changing the tokenizer")
     pv.set_defaults(func=cmd_pretrain_tiny_video)
     sr = sub.add_parser("serve-reward", help="serve a reward over HTTP (POST /score) for the `remote` reward")
     sr.add_argument("name", help="registered reward name or module:function")

@@ -91,3 +91,19 @@ def test_embedded_video_model_loads_with_its_geometry_and_says_which_field_to_ch
         load_adapter(load_config(None, [*base, "model.resolution=32", "model.num_frames=4"]).model)
     with pytest.raises(ConfigError, match=r"not a sd3 model; set model.family"):
         load_adapter(load_config(None, ["model.pretrained=tiny-moving-shapes", "model.resolution=32"]).model)
+
+
+def test_flowrl_eval_reads_the_video_config_domain(capsys):
+    """`flowrl eval configs/tiny_video_default.yaml` samples the held-out captions with the shipped video model and
+    prints background, colour, shape, motion and all-four accuracy (and per direction) as one JSON line."""
+    import json
+    from pathlib import Path
+
+    from flowrl.cli import main
+
+    root = Path(__file__).resolve().parent.parent
+    assert main(["eval", str(root / "configs" / "tiny_video_default.yaml"), "--seeds", "0", "--steps", "2",
+                 "log.progress=false"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["split"] == "moving-shapes-heldout" and out["videos"] == 48 and out["steps"] == 2
+    assert set(out["per_direction"]) == set(DIRECTIONS) and 0 <= out["all"] <= out["motion"] <= 1

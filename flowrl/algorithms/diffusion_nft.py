@@ -77,6 +77,9 @@ class DiffusionNFT(FlowGRPO):
         if cfg.train.grpo_guard:
             raise ConfigError("train.grpo_guard: diffusion_nft has no transition ratios to normalise; set "
                               "train.grpo_guard=false")
+        if cfg.advantage.zero_variance == "drop_refill":
+            raise ConfigError("advantage.zero_variance=drop_refill: diffusion_nft trains every clean sample (a group "
+                              "of equal rewards has r = 1/2 everywhere); use zero_variance=zero")
         if cfg.advantage.combine == "per_reward":
             raise ConfigError("advantage.combine=per_reward: diffusion_nft maps one advantage per sample to an "
                               "optimality probability; use advantage.combine=sum")
