@@ -102,8 +102,8 @@ def test_flowrl_eval_reads_the_video_config_domain(capsys):
     from flowrl.cli import main
 
     root = Path(__file__).resolve().parent.parent
-    assert main(["eval", str(root / "configs" / "tiny_video_default.yaml"), "--seeds", "0", "--steps", "2",
-                 "log.progress=false"]) == 0
+    assert main(["eval", str(root / "configs" / "tiny_video_default.yaml"), "log.progress=false", "--seeds", "0",
+                 "--steps", "2"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["split"] == "moving-shapes-heldout" and out["videos"] == 48 and out["steps"] == 2
     assert set(out["per_direction"]) == set(DIRECTIONS) and 0 <= out["all"] <= out["motion"] <= 1
