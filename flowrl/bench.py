@@ -82,3 +82,44 @@ def compare_table(results: list[dict]) -> list[dict]:
             "rollout_speedup_batched_vs_1": r["speedup_batched_vs_1"],
         })
     return rows
+
+
+def resident_mb() -> float:
+    """This process's resident set size in MiB (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            pages = int(fh.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    import os
+
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def memory_growth(cfg, iterations: int = 300, progress: bool = True) -> dict:
+    """Train ``iterations`` iterations in a temporary run folder, recording the RSS after each, and fit a line to
+    the second half (the first holds allocator warm-up): a leak shows as a positive slope in MiB per 100
+    iterations well above the fit's noise."""
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    from .trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, output_dir=tmp, run_name="memory",
+                                                                 sample_every=0, save_every=0, eval="none",
+                                                                 eval_every=0, progress=False),
+                                  train=dataclasses.replace(cfg.train, iterations=iterations))
+        trainer = Trainer(cfg)
+        rss = []
+        for it in tqdm(range(iterations), desc="memory", disable=not progress):
+            trainer.iteration(it)
+            rss.append(resident_mb())
+    x = np.arange(iterations // 2, iterations)
+    y = np.array(rss[iterations // 2:])
+    slope, intercept = np.polyfit(x, y, 1)
+    resid = y - (slope * x + intercept)
+    stderr = float(np.sqrt((resid**2).sum() / max(len(x) - 2, 1) / ((x - x.mean()) ** 2).sum())) if len(x) > 2 else 0.0
+    return {"iterations": iterations, "rss_mb_first": round(rss[0], 1), "rss_mb_middle": round(rss[iterations // 2], 1),
+            "rss_mb_last": round(rss[-1], 1), "rss_slope_mb_per_100_iterations": round(float(slope) * 100, 3),
+            "slope_stderr_mb_per_100_iterations": round(stderr * 100, 3)}

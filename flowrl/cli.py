@@ -128,11 +128,16 @@ def cmd_compare(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import compare_table, run_bench
+    from .bench import compare_table, memory_growth, run_bench
 
     tokens = ([args.config] if args.config else []) + list(args.overrides)
     overrides = [t for t in tokens if "=" in t]
     configs = [t for t in tokens if "=" not in t] or [None]
+    if args.memory:
+        if len(configs) > 1:
+            raise FlowRLError("--memory measures one config; give one")
+        print(json.dumps({"config": configs[0] or "default", **memory_growth(_load(configs[0], overrides), args.memory)}))
+        return 0
     results = []
     for path in configs:
         res = run_bench(_load(path, overrides), repeats=args.repeats)
@@ -308,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("config", nargs="?", help="a config; more configs and key=value overrides may follow")
     b.add_argument("overrides", nargs="*", help="more configs (compared with the first) and overrides for all")
     b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--memory", type=int, metavar="N", help="instead: train N iterations and print the resident "
+                   "memory's slope over the second half (MiB per 100 iterations), to catch leaks")
     b.set_defaults(func=cmd_bench)
     e = sub.add_parser("eval", help="held-out shapes accuracy (one JSON line), or with --prompts/--reward a reward table + CSV")
     e.add_argument("config", nargs="?")

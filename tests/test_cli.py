@@ -150,3 +150,17 @@ def test_sample_and_eval_load_a_full_fine_tuning_checkpoint(tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(run), "--iteration", "0", "--prompts", str(prompts), "--reward",
                  "tests.helpers:brightness", "--seeds", "0", "--steps", "3", "--csv", str(tmp_path / "e.csv")]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["checkpoint"].endswith("iter_00000")
+
+
+def test_bench_memory_prints_the_rss_slope(capsys):
+    """`flowrl bench --memory N` trains N iterations in a temporary folder and fits the resident memory of the second
+    half: the numbers are there and consistent (the slope is measured, not asserted: bench prints, tests do not time)."""
+    import json
+
+    from flowrl.cli import main
+
+    assert main(["bench", "train.prompts_per_iter=1", "algorithm.group_size=2", "sampler.num_steps=2",
+                 "log.progress=false", "--memory", "6"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["iterations"] == 6 and 0 < out["rss_mb_first"] and 0 < out["rss_mb_last"]
+    assert isinstance(out["rss_slope_mb_per_100_iterations"], float) and out["slope_stderr_mb_per_100_iterations"] >= 0
