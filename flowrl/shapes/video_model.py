@@ -9,7 +9,7 @@ import torch
 
 from ..errors import FlowRLError
 from ..resources import assets_dir
-from .moving import FRAMES, RESOLUTION, all_specs
+from .moving import FRAMES, RESOLUTION
 
 
 # The embedded video model's fixed architecture (pretrained by `flowrl pretrain-tiny-video`): pixel space, 4 frames
