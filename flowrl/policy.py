@@ -94,14 +94,15 @@ class Policy:
         if self.old is None:
             yield
             return
-        current = [p.detach().clone() for p in self.params]
-        for p, o in zip(self.params, self.old):
-            p.data.copy_(o)
+        self._swap_old()  # exchanges the tensors behind the parameters: no copy of the weights (once per micro-batch)
         try:
             yield
         finally:
-            for p, c in zip(self.params, current):
-                p.data.copy_(c)
+            self._swap_old()
+
+    def _swap_old(self) -> None:
+        for k, p in enumerate(self.params):
+            p.data, self.old[k] = self.old[k], p.data
 
     @torch.no_grad()
     def follow_old(self, decay: float) -> None:

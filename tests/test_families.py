@@ -167,24 +167,12 @@ def test_wan22_two_experts_equal_wan_pipeline(expert):
 def test_wan22_low_noise_lora_loads_into_transformer_2(tmp_path):
     """Train the low-noise expert's LoRA; WanPipeline loads the file with load_into_transformer_2=True and draws
     our policy's velocity; the frozen high-noise expert is untouched."""
-    from flowrl.trainer import Trainer
-
     cfg = family_cfg("wan", "model.tiny.experts=2", "model.train_expert=low_noise", "sampler.num_steps=3",
                      "train.prompts_per_iter=1", "algorithm.group_size=2", "train.iterations=2", "train.lr=5e-2",
                      f"log.output_dir={tmp_path}", "log.run_name=l", "log.sample_every=0", REWARD["wan"])
-    trainer = Trainer(cfg)
-    run = trainer.train()
-    ours = trainer.adapter
-    fresh = load_adapter(cfg.model)
-    fresh.pipe.load_lora_weights(str(run / "checkpoints" / "iter_00001"), load_into_transformer_2=True)
-    x = torch.randn((2, *ours.latent_shape(32)), generator=torch.Generator().manual_seed(0))
-    sigma = torch.tensor([0.95, 0.4])  # one row per expert
-    cond = ours.encode_prompts(PROMPTS)
-    with torch.no_grad():
-        ours.transformer.eval()
-        v_ours = ours.velocity(x, sigma, cond)
-        v_pipe = fresh.velocity(x, sigma, fresh.encode_prompts(PROMPTS))
-        v_base = load_adapter(cfg.model).velocity(x, sigma, cond)
+    # one row per expert
+    v_ours, v_pipe, v_base = trained_lora_velocities(tmp_path, cfg, torch.tensor([0.95, 0.4]),
+                                                     load_into_transformer_2=True)
     assert torch.equal(v_ours[0], v_base[0])  # high noise: the frozen expert
     assert (v_ours[1] - v_base[1]).abs().max() > 1e-4  # low noise: the trained LoRA moved it
     assert torch.allclose(v_pipe, v_ours, atol=1e-5), (v_pipe - v_ours).abs().max()
@@ -239,32 +227,37 @@ def test_every_algorithm_trains_on_every_family(tmp_path, family, algorithm):
     assert row["ratio_max_abs_dev_first_update"] < 1e-5
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_saved_lora_loads_with_the_family_pipeline(tmp_path, family):
-    """Train two iterations with LoRA, save, load the file with the family's diffusers pipeline
-    (``load_lora_weights``): its transformer gives our policy's velocity."""
+def trained_lora_velocities(tmp_path, cfg, sigma, **load_kwargs):
+    """Train two LoRA iterations, load the saved file into a fresh pipeline with its ``load_lora_weights``
+    (``load_kwargs`` passed on); the velocities (ours, the loaded pipeline's, the base model's) at ``sigma``."""
     import diffusers
 
     from flowrl.trainer import Trainer
 
-    cfg = family_cfg(family, "sampler.num_steps=3", "train.prompts_per_iter=1", "algorithm.group_size=2",
-                     "train.iterations=2", "train.lr=5e-2", f"log.output_dir={tmp_path}", "log.run_name=l",
-                     "log.sample_every=0", REWARD[family])
     trainer = Trainer(cfg)
     run = trainer.train()
     ours = trainer.adapter
     fresh = load_adapter(cfg.model)  # the same base weights (seeded tiny init), no LoRA
-    pipe_class = getattr(diffusers, ours.pipeline_class_name)
-    assert isinstance(fresh.pipe, pipe_class)
-    fresh.pipe.load_lora_weights(str(run / "checkpoints" / "iter_00001"))
-    x = torch.randn((2, *ours.latent_shape(cfg.model.resolution)), generator=torch.Generator().manual_seed(0))
-    sigma = torch.tensor([0.9, 0.4])
-    cond = ours.encode_prompts(PROMPTS)
+    assert isinstance(fresh.pipe, getattr(diffusers, ours.pipeline_class_name))
+    fresh.pipe.load_lora_weights(str(run / "checkpoints" / "iter_00001"), **load_kwargs)
+    x = torch.randn((len(sigma), *ours.latent_shape(cfg.model.resolution)), generator=torch.Generator().manual_seed(0))
+    cond = ours.encode_prompts(PROMPTS[: len(sigma)])
     with torch.no_grad():
         ours.transformer.eval()
         v_ours = ours.velocity(x, sigma, cond)
-        v_pipe = fresh.velocity(x, sigma, fresh.encode_prompts(PROMPTS))
+        v_pipe = fresh.velocity(x, sigma, fresh.encode_prompts(PROMPTS[: len(sigma)]))
         v_base = load_adapter(cfg.model).velocity(x, sigma, cond)
+    return v_ours, v_pipe, v_base
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_saved_lora_loads_with_the_family_pipeline(tmp_path, family):
+    """Train two iterations with LoRA, save, load the file with the family's diffusers pipeline
+    (``load_lora_weights``): its transformer gives our policy's velocity."""
+    cfg = family_cfg(family, "sampler.num_steps=3", "train.prompts_per_iter=1", "algorithm.group_size=2",
+                     "train.iterations=2", "train.lr=5e-2", f"log.output_dir={tmp_path}", "log.run_name=l",
+                     "log.sample_every=0", REWARD[family])
+    v_ours, v_pipe, v_base = trained_lora_velocities(tmp_path, cfg, torch.tensor([0.9, 0.4]))
     assert (v_ours - v_base).abs().max() > 1e-4  # the LoRA moved the policy
     assert torch.allclose(v_pipe, v_ours, atol=1e-5), (v_pipe - v_ours).abs().max()
 

@@ -28,6 +28,10 @@ NUM_HELDOUT = 24
 SPLIT_SEED = 1234
 
 
+def article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
 @dataclass(frozen=True)
 class ShapeSpec:
     shape: str
@@ -36,8 +40,7 @@ class ShapeSpec:
 
     @property
     def prompt(self) -> str:
-        article = "an" if self.color[0] in "aeiou" else "a"
-        return f"{article} {self.color} {self.shape} on {'an' if self.background[0] in 'aeiou' else 'a'} {self.background} background"
+        return f"{article(self.color)} {self.color} {self.shape} on {article(self.background)} {self.background} background"
 
 
 def all_specs() -> list[ShapeSpec]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .domain import COLORS, SHAPES, shape_mask
+from .domain import COLORS, SHAPES, article, shape_mask
 
 DIRECTIONS = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}  # (dy, dx) per step
 RESOLUTION = 20
@@ -34,9 +34,8 @@ class MovingSpec:
 
     @property
     def prompt(self) -> str:
-        article = "an" if self.color[0] in "aeiou" else "a"
-        bg_article = "an" if self.background[0] in "aeiou" else "a"
-        return f"{article} {self.color} {self.shape} moving {self.direction} on {bg_article} {self.background} background"
+        return (f"{article(self.color)} {self.color} {self.shape} moving {self.direction} on {article(self.background)} "
+                f"{self.background} background")
 
 
 def all_specs() -> list[MovingSpec]:

@@ -97,6 +97,24 @@ def export_model(pipe, out_dir: Path, meta: dict, components: tuple[str, ...] = 
     return out_dir
 
 
+def noised(x0: torch.Tensor, sigma: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_sigma = (1 - sigma) x0 + sigma eps, the rectified-flow target eps - x0) for x0 (B, ...) and sigma (B,)."""
+    eps = torch.randn(x0.shape, generator=gen)
+    s = sigma.view(-1, *([1] * (x0.ndim - 1)))
+    return (1 - s) * x0 + s * eps, eps - x0
+
+
+def optimizer_step(loss: torch.Tensor, optimizer, params, ema, lr: float) -> None:
+    """Backward, clip the gradient norm at 1, one AdamW step at ``lr``, one EMA step."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    optimizer.step()
+    ema.step(params)
+
+
 def lr_factor(step: int, steps: int, decay_from: int | None, lr_final: float) -> float:
     """Linear warm-up over 200 steps, then constant; from `decay_from` a cosine down to `lr_final` x lr at `steps`.
 
@@ -150,19 +168,11 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
         prompts = ["" if rng.random() < caption_dropout else p for p in prompts]
         embeds, pooled = encode(pipe, prompts)
         sigma = torch.sigmoid(torch.randn(batch, generator=gen))  # SD3 logit-normal(0, 1)
-        eps = torch.randn(x0.shape, generator=gen)
-        s = sigma.view(-1, 1, 1, 1)
-        x = (1 - s) * x0 + s * eps
+        x, target = noised(x0, sigma, gen)
         v = pipe.transformer(hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=embeds,
                              pooled_projections=pooled, return_dict=False)[0]
-        loss = torch.nn.functional.mse_loss(v, eps - x0)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        for g in optimizer.param_groups:
-            g["lr"] = lr * lr_factor(step, steps, decay_from, lr_final)
-        optimizer.step()
-        ema.step(params)
+        loss = torch.nn.functional.mse_loss(v, target)
+        optimizer_step(loss, optimizer, params, ema, lr * lr_factor(step, steps, decay_from, lr_final))
         step += 1
         loss_ema = float(loss) if loss_ema is None else 0.98 * loss_ema + 0.02 * float(loss)
         bar.update(1)

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from ..resources import assets_dir
 from .moving import FRAMES, RESOLUTION, heldout_prompts, render_video, split_specs
-from .pretrain import _load_state, _save_state, export_model, lr_factor
+from .pretrain import _load_state, _save_state, export_model, lr_factor, noised, optimizer_step
 
 COMPONENTS = ("transformer", "text_encoder")
 MAX_TOKENS = 16
@@ -111,18 +111,10 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
                                     device="cpu")[0]  # (B, 16, text_dim), zero past each caption's tokens
         sigma = torch.sigmoid(torch.randn(batch, generator=gen))  # SD3 logit-normal(0, 1), then the time shift
         sigma = shift * sigma / (1 + (shift - 1) * sigma)
-        eps = torch.randn(x0.shape, generator=gen)
-        s = sigma.view(-1, 1, 1, 1, 1)
-        x = (1 - s) * x0 + s * eps
+        x, target = noised(x0, sigma, gen)  # (B, 3, F, H, W)
         v = pipe.transformer(hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=embeds, return_dict=False)[0]
-        loss = torch.nn.functional.mse_loss(v, eps - x0)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        for g in optimizer.param_groups:
-            g["lr"] = lr * lr_factor(step, steps, decay_from, lr_final)
-        optimizer.step()
-        ema.step(params)
+        loss = torch.nn.functional.mse_loss(v, target)
+        optimizer_step(loss, optimizer, params, ema, lr * lr_factor(step, steps, decay_from, lr_final))
         step += 1
         loss_ema = float(loss) if loss_ema is None else 0.98 * loss_ema + 0.02 * float(loss)
         bar.update(1)

@@ -91,6 +91,29 @@ def _specs(prompts: list[str]) -> list[ShapeSpec]:
     return specs
 
 
+def score_row(out: dict, i: int, spec, read: dict, pixels: np.ndarray, ious: dict[str, float]) -> None:
+    """Row ``i`` of the scores the image and video checkers share. ``read``: the checker's readout (``idx`` palette
+    indices and ``border`` of the image or of every frame, the read background / colour / shape); ``pixels``:
+    the 0..255 pixels ``idx`` indexes; ``ious``: the template IoUs of the asked colour's mask."""
+    want_bg, want_color = NAMES.index(spec.background), NAMES.index(spec.color)
+    idx = read["idx"]
+    # cleanliness: RMS distance (0..255 per channel) of the pixels read as the asked background from that exact
+    # colour; 0 for a flat background, and the texture GRPO can add to it raises it (the checker does not)
+    on_bg = idx == want_bg
+    if on_bg.any():
+        out["bg_noise"][i] = float(np.sqrt(((pixels[on_bg] - PALETTE[want_bg]) ** 2).mean()))
+    out["bg_score"][i] = float((read["border"] == want_bg).mean())
+    fg = idx != want_bg
+    out["color_score"][i] = float((idx[fg] == want_color).mean()) if fg.any() else 0.0
+    out["shape_score"][i] = ious[spec.shape]
+    # how far the asked shape's IoU is ahead of the best other shape's: > 0 exactly when the checker would read
+    # the asked shape from that mask
+    out["shape_margin"][i] = ious[spec.shape] - max(v for k, v in ious.items() if k != spec.shape)
+    out["bg_ok"][i] = read["background"] == spec.background
+    out["color_ok"][i] = read["color"] == spec.color
+    out["shape_ok"][i] = read["shape"] == spec.shape
+
+
 def attribute_scores(images: torch.Tensor, prompts: list[str]) -> dict[str, np.ndarray]:
     """Continuous per-attribute scores in [0, 1], strict correctness and background noise, each (N,)."""
     specs = _specs(prompts)
@@ -98,23 +121,7 @@ def attribute_scores(images: torch.Tensor, prompts: list[str]) -> dict[str, np.n
                                               "color_ok", "shape_ok", "bg_noise")}
     for i, (img, spec) in enumerate(zip(_to_uint8(images), specs)):
         a = analyse(img)
-        want_bg, want_color = NAMES.index(spec.background), NAMES.index(spec.color)
-        # cleanliness: RMS distance (0..255 per channel) of the pixels read as the asked background from that
-        # exact colour; 0 for a flat background, and the texture GRPO can add to it raises it (the checker does not)
-        on_bg = a["idx"] == want_bg
-        if on_bg.any():
-            out["bg_noise"][i] = float(np.sqrt(((img[on_bg] - PALETTE[want_bg]) ** 2).mean()))
-        out["bg_score"][i] = float((a["border"] == want_bg).mean())
-        fg = a["idx"] != want_bg
-        out["color_score"][i] = float((a["idx"][fg] == want_color).mean()) if fg.any() else 0.0
-        ious = _shape_ious(a["idx"] == want_color)
-        out["shape_score"][i] = ious[spec.shape]
-        # how far the asked shape's IoU is ahead of the best other shape's: > 0 exactly when the checker would
-        # read the asked shape from that mask
-        out["shape_margin"][i] = ious[spec.shape] - max(v for k, v in ious.items() if k != spec.shape)
-        out["bg_ok"][i] = a["background"] == spec.background
-        out["color_ok"][i] = a["color"] == spec.color
-        out["shape_ok"][i] = a["shape"] == spec.shape
+        score_row(out, i, spec, a, img, _shape_ious(a["idx"] == NAMES.index(spec.color)))
     return out
 
 

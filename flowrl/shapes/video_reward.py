@@ -22,7 +22,7 @@ from ..errors import RewardError
 from ..rewards.registry import register_reward
 from .domain import COLORS, SHAPES
 from .moving import DIRECTIONS, SPEED, MovingSpec, parse_prompt
-from .reward import PALETTE, _border, _nearest, _shape_ious
+from .reward import _border, _nearest, _shape_ious, score_row
 
 NAMES = list(COLORS)
 
@@ -88,24 +88,12 @@ def attribute_scores(videos: torch.Tensor, prompts: list[str]) -> dict[str, np.n
     out = {k: np.zeros(len(specs)) for k in SCORE_KEYS}
     for i, (clip, spec) in enumerate(zip(_to_uint8(videos), specs)):
         read = read_clip(clip)
-        want_bg, want_color = NAMES.index(spec.background), NAMES.index(spec.color)
-        asked = read_clip(clip, want_color) if read["color"] != spec.color else read
-        on_bg = read["idx"] == want_bg
-        if on_bg.any():  # cleanliness: RMS distance of the pixels read as the asked background from that colour
-            out["bg_noise"][i] = float(np.sqrt(((clip[on_bg] - PALETTE[want_bg]) ** 2).mean()))
-        out["bg_score"][i] = float((read["border"] == want_bg).mean())
-        fg = read["idx"] != want_bg
-        out["color_score"][i] = float((read["idx"][fg] == want_color).mean()) if fg.any() else 0.0
-        ious = asked["ious"]
-        out["shape_score"][i] = ious[spec.shape]
-        out["shape_margin"][i] = ious[spec.shape] - max(v for k, v in ious.items() if k != spec.shape)
+        asked = read_clip(clip, NAMES.index(spec.color)) if read["color"] != spec.color else read
+        score_row(out, i, spec, read, clip, asked["ious"])
         dy, dx = DIRECTIONS[spec.direction]
         along = float(asked["step"] @ np.array([dy, dx]))
         across = float(abs(asked["step"] @ np.array([dx, dy])))
         out["motion_score"][i] = (1 + np.clip((along - across) / SPEED, -1, 1)) / 2
-        out["bg_ok"][i] = read["background"] == spec.background
-        out["color_ok"][i] = read["color"] == spec.color
-        out["shape_ok"][i] = read["shape"] == spec.shape
         out["motion_ok"][i] = read["direction"] == spec.direction
     return out
 
