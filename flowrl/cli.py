@@ -23,8 +23,12 @@ def cmd_train(args) -> int:
     cfg = _load(args.config, args.overrides)
     name = Path(args.config).stem if args.config else "default"
     trainer = Trainer(cfg, config_name=name)
-    print(f"run directory: {trainer.run_dir}", file=sys.stderr)
+    if trainer.procs.is_main:
+        print(f"run directory: {trainer.run_dir}" + (f" ({trainer.procs.world} processes)" if trainer.procs.distributed
+                                                     else ""), file=sys.stderr)
     run_dir = trainer.train()
+    if not trainer.procs.is_main:
+        return 0
     from .report import read_metrics
 
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -238,7 +242,7 @@ def cmd_pretrain_tiny_video(args) -> int:
     pretrain_tiny_video(args.work_dir, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                         save_every=args.save_every, eval_every=args.eval_every, export_dir=args.export_dir,
                         decay_from=args.decay_from, lr_final=args.lr_final, shift=args.shift,
-                        init_from=args.init_from)
+                        init_from=args.init_from, motion_weight=args.motion_weight)
     return 0
 
 
@@ -364,7 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     pv.add_argument("--shift", type=float, default=1.0, help="time shift of the training sigmas and the exported "
                     "scheduler (3 puts more training at high noise, where the layout is decided)")
     pv.add_argument("--init-from", help="warm start: the transformer of an earlier run's state folder "
-                    "(<work-dir>/state), e.g. after changing the tokenizer")
+                    "(<work-dir>/state), e.g. after changing the tokenizer; its text encoder too when the shapes match")
+    pv.add_argument("--motion-weight", type=float, default=0.0,
+                    help="extra weight on the frame-to-frame differences of the flow-matching target")
     pv.set_defaults(func=cmd_pretrain_tiny_video)
     sr = sub.add_parser("serve-reward", help="serve a reward over HTTP (POST /score) for the `remote` reward")
     sr.add_argument("name", help="registered reward name or module:function")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import re
 import types
@@ -92,6 +93,9 @@ class SamplerConfig:
                                "async_reward, scoring batch k overlaps the rollout of batch k+1)", lo=1)
     async_reward: bool = opt(True, "score a rollout batch in a background thread while the next batch is rolled out")
     max_batch: int = opt(64, "most tree nodes per transformer call (rollout, sampling and evaluation)", lo=1)
+    noise_device: str = opt("cpu", "where rollout noise is drawn: cpu (bit-exact across devices and batchings) or "
+                            "device (the accelerator's generator: no host-to-device copy per round)",
+                            choices=["cpu", "device"])
     cps_log_prob: str = opt("gaussian", "cps kernel: the true Gaussian log-prob, or the paper's and Flow-GRPO's "
                             "unnormalised -(x' - mean)^2 (published CPS clip ranges assume it)",
                             choices=["gaussian", "published"])
@@ -165,7 +169,16 @@ class TrainConfig:
     inner_epochs: int = opt(1, lo=1)
     micro_batch: int = opt(64, "most parent states per forward/backward (gradient accumulation)", lo=1)
     cfg: bool = opt(True, "apply CFG in the training forward when guidance_scale > 1")
-    mixed_precision: str = opt("no", choices=["no", "fp16", "bf16"])
+    mixed_precision: str = opt("no", "autocast of the transformer's forward; latents, SDE maths and trainable weights "
+                               "stay fp32", choices=["no", "fp16", "bf16"])
+    optimizer: str = opt("adamw", "adamw (fused on CUDA) or adamw_8bit (bitsandbytes, CUDA)",
+                         choices=["adamw", "adamw_8bit"])
+    fused_loss: bool = opt(False, "the per-edge log-prob, ratio, clip and KL as one torch.compile'd function "
+                           "(equals the eager path; for per-edge algorithms)")
+    compile_transformer: bool = opt(False, "torch.compile the transformer's repeated blocks")
+    gradient_checkpointing: bool = opt(False, "recompute block activations in the backward (memory for time)")
+    attention_backend: str = opt("native", "diffusers attention backend: native (PyTorch SDPA), xformers (the "
+                                 "xformers extra), flash (flash-attn)", choices=["native", "xformers", "flash"])
     log_prob_reduce: str = opt("mean", "mean over latent elements (the anchors' convention) or sum", choices=["mean", "sum"])
     lora: LoraConfig = field(default_factory=LoraConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
@@ -565,6 +578,14 @@ def validate(cfg: Config) -> None:
         lo = m.resolution - m.resolution % factor
         raise ConfigError(f"model.resolution: {m.resolution} px is not a multiple of {factor} (the latent patch "
                           f"grid of this model); use {lo or factor} or {lo + factor}")
+    for key, value, package, extra in (("train.optimizer", cfg.train.optimizer == "adamw_8bit", "bitsandbytes", "bitsandbytes"),
+                                       ("train.attention_backend", cfg.train.attention_backend == "xformers", "xformers",
+                                        "xformers"),
+                                       ("train.attention_backend", cfg.train.attention_backend == "flash", "flash_attn",
+                                        "flash-attn")):
+        if value and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{key}: needs the {extra} package (pip install 'flowrl[{extra}]' or pip install "
+                              f"{extra}); or set it back to its default")
     if cfg.train.grpo_guard and cfg.sampler.kernel != "flow_grpo":
         raise ConfigError(f"train.grpo_guard: GRPO-Guard normalises Flow-SDE transitions; set sampler.kernel=flow_grpo "
                           f"(not {cfg.sampler.kernel}) or train.grpo_guard=false")

@@ -98,6 +98,14 @@ class Tree:
                    merged["sde"], merged["trained"], trees[0].plan, merged["stride"], merged.get("mean", []),
                    nfe=sum(t.nfe for t in trees), transformer_calls=sum(t.transformer_calls for t in trees))
 
+    def to(self, device) -> "Tree":
+        """The same tree with its latents (and sampling means) on ``device``; the small per-node tensors stay on
+        the CPU where the rollout keeps them."""
+        import dataclasses
+
+        return dataclasses.replace(self, latents=[x.to(device) for x in self.latents],
+                                   mean=[x.to(device) for x in self.mean])
+
     @property
     def num_rounds(self) -> int:
         return len(self.latents) - 1
@@ -194,6 +202,11 @@ def velocity_batched(adapter, x: torch.Tensor, sigma: torch.Tensor, cond, rows: 
     return torch.cat(outs), calls
 
 
+def _randn(shape, generator: torch.Generator) -> torch.Tensor:
+    """Standard normal draws on the generator's own device (a CPU generator: bit-exact everywhere)."""
+    return torch.randn(shape, generator=generator, device=generator.device)
+
+
 def sibling_noise(shape: tuple[int, ...], branch: int, mode: str, strength: float,
                   generator: torch.Generator) -> torch.Tensor:
     """Noise for ``shape[0] = parents * branch`` children, siblings consecutive.
@@ -201,12 +214,12 @@ def sibling_noise(shape: tuple[int, ...], branch: int, mode: str, strength: floa
     ``correlated`` is BranchGRPO's marginal-preserving construction: each child's noise is N(0, I) and two
     siblings have correlation 1 / (1 + s^2). ``scaled`` multiplies independent noise by s (released code).
     """
-    eps = torch.randn(shape, generator=generator)
+    eps = _randn(shape, generator)
     if branch == 1 or mode == "independent":
         return eps
     if mode == "scaled":
         return strength * eps
-    shared = torch.randn((shape[0] // branch, *shape[1:]), generator=generator).repeat_interleave(branch, dim=0)
+    shared = _randn((shape[0] // branch, *shape[1:]), generator).repeat_interleave(branch, dim=0)
     return (shared + strength * eps) / math.sqrt(1 + strength**2)
 
 
@@ -232,7 +245,7 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
     roots = roots or [plan.roots_per_prompt] * num_prompts
     n0 = sum(roots)
     if initial_noise is None:
-        initial_noise = torch.randn((n0, *latent_shape), generator=generator)
+        initial_noise = _randn((n0, *latent_shape), generator)
     zeros, no = torch.zeros(n0), torch.zeros(n0, dtype=torch.bool)
     tree = Tree(sigmas, [initial_noise.float().to(device)], [torch.zeros(n0, dtype=torch.long)],
                 [torch.arange(num_prompts).repeat_interleave(torch.tensor(roots))], [torch.arange(n0)],
@@ -244,8 +257,8 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
     def sde_step(x, v, s, s_next, level, noise):
         out = kernel_step(kernel, x, v, s, s_next, noise_level=level, sigma_at_one=sigma_at_one, noise=noise,
                           reduce=log_prob_reduce, **(kernel_options or {}))
-        std = out.std.reshape(out.std.shape[0], -1)[:, 0].expand(x.shape[0]).float().cpu()
-        return out.sample, out.log_prob.float().cpu(), std, out.mean
+        std = out.std.reshape(out.std.shape[0], -1)[:, 0].expand(x.shape[0]).float()
+        return out.sample, out.log_prob.float(), std, out.mean  # on the device: copied once after the last round
 
     r = 0
     while True:
@@ -275,7 +288,8 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
                     noise = sibling_noise(tuple(xp.shape), spec.branch, spec.sibling_noise, spec.sibling_strength, generator)
                     xs, lp, sd, mean = sde_step(xp, vp, s, s_next, level, noise.to(device))
                 else:
-                    xs, lp, sd = kernel_step("ode", xp, vp, s, s_next, noise_level=0.0).sample, torch.zeros(n), torch.zeros(n)
+                    xs = kernel_step("ode", xp, vp, s, s_next, noise_level=0.0).sample
+                    lp = sd = torch.zeros(n, device=device)
                     mean = xs
                 parts.append((par, xs, torch.full((n,), i + 1), torch.full((n,), -1), lp, sd, torch.full((n,), level),
                               torch.full((n,), spec.sde), torch.full((n,), spec.trained), torch.zeros(n), mean))
@@ -283,7 +297,7 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
                 par = main.repeat_interleave(spec.side)
                 xp, vp = x[par.to(device)], v[par.to(device)]
                 n, target = par.numel(), i + spec.side_merge
-                noise = torch.randn(tuple(xp.shape), generator=generator).to(device)
+                noise = _randn(tuple(xp.shape), generator).to(device)
                 xs, lp, sd, mean = sde_step(xp, vp, s, float(sigmas[target]), level, noise)
                 parts.append((par, xs, torch.full((n,), target), torch.full((n,), i), lp, sd, torch.full((n,), level),
                               torch.ones(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool), torch.zeros(n), mean))
@@ -298,7 +312,8 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
             cn = torch.minimum(ci + step_len, torch.tensor(t_steps))
             xs = kernel_step("ode", x[par.to(device)], v[par.to(device)], sigmas[ci], sigmas[cn], noise_level=0.0).sample
             n = par.numel()
-            parts.append((par, xs, cn, lineage[par], torch.zeros(n), torch.zeros(n), torch.zeros(n),
+            zeros_dev = torch.zeros(n, device=device)
+            parts.append((par, xs, cn, lineage[par], zeros_dev, zeros_dev, torch.zeros(n),
                           torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool), step_len, xs))
         par = torch.cat([p[0] for p in parts])
         tree.parent.append(par)
@@ -316,4 +331,7 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
         tree.group.append(tree.group[r][par])
         tree.root.append(tree.root[r][par])
         r += 1
+    # one device-to-host copy of the edges' log-probs and stds, not one synchronisation per round
+    tree.log_prob = [t.float().cpu() for t in tree.log_prob]
+    tree.std = [t.float().cpu() for t in tree.std]
     return tree

@@ -50,3 +50,39 @@ def guard_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: to
     s = std.expand_as(mean).reshape(n, -1).mean(1)  # (E,) the transition std (one value per edge for Flow-SDE)
     bias = ((mean - old_mean) ** 2).reshape(n, -1).mean(1) / (2 * s**2)
     return (log_prob - old_log_prob + bias) * s
+
+
+def edge_objective(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+                   prev: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                   v_ref: torch.Tensor | None, *, kernel: str, noise_level: float, sigma_at_one: float,
+                   clip_range: float, reduce: str = "mean", kl_std_mode: str = "transition",
+                   kernel_options: dict | None = None):
+    """One edge batch's whole training objective: the log-prob of the taken step ``prev`` under the policy's
+    transition from ``x`` with velocity ``v``, the ratio to ``old_log_prob``, the clipped surrogate and the KL to the
+    reference transition (velocity ``v_ref``; zeros when None). x, v, prev, v_ref: (E, *latent); the rest (E,).
+
+    Written as one function so that ``torch.compile`` fuses it (:func:`compiled_edge_objective`): the eager path
+    materialises several latent-sized temporaries per edge. Returns (loss (E,), ratio (E,), log_prob (E,), kl (E,)).
+    """
+    from .samplers.kernels import step as kernel_step
+
+    out = kernel_step(kernel, x, v, sigma, sigma_next, noise_level=noise_level, sigma_at_one=sigma_at_one,
+                      prev_sample=prev, reduce=reduce, **(kernel_options or {}))
+    loss, ratio = ppo_clip_loss(out.log_prob, old_log_prob, advantages, clip_range)
+    if v_ref is None:
+        kl = torch.zeros_like(loss)
+    else:
+        ref = kernel_step(kernel, x, v_ref, sigma, sigma_next, noise_level=noise_level, sigma_at_one=sigma_at_one,
+                          prev_sample=prev, **(kernel_options or {}))
+        kl = gaussian_kl_same_std(out.mean, ref.mean, kl_std(kl_std_mode, out.std, sigma, sigma_next))
+    return loss, ratio, out.log_prob, kl
+
+
+_COMPILED = {}
+
+
+def compiled_edge_objective():
+    """:func:`edge_objective` under ``torch.compile`` (inductor; dynamic edge counts), built once per process."""
+    if "edge" not in _COMPILED:
+        _COMPILED["edge"] = torch.compile(edge_objective, dynamic=True)
+    return _COMPILED["edge"]

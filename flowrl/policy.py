@@ -21,6 +21,30 @@ def add_lora(transformer, lora_cfg, default_targets: list[str]) -> None:
                                        target_modules=targets, lora_dropout=0.0))
 
 
+def make_optimizer(params, t, device: torch.device):
+    """AdamW: PyTorch's fused kernel on CUDA, or bitsandbytes' 8-bit AdamW (``train.optimizer=adamw_8bit``)."""
+    kwargs = dict(lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, eps=t.adam_eps)
+    if t.optimizer == "adamw_8bit":
+        import bitsandbytes as bnb  # checked at config load
+
+        return bnb.optim.AdamW8bit(params, **kwargs)
+    return torch.optim.AdamW(params, fused=device.type == "cuda", **kwargs)
+
+
+def configure_update_path(transformer, t) -> None:
+    """Gradient checkpointing, the attention backend and compiled blocks, as ``train`` asks."""
+    if t.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    if t.attention_backend != "native":
+        transformer.set_attention_backend(t.attention_backend)
+    if t.compile_transformer:
+        if getattr(transformer, "_repeated_blocks", None):
+            transformer.compile_repeated_blocks(dynamic=True)
+        else:  # families without the declaration (SD3): every block of the main stack
+            for block in transformer.transformer_blocks:
+                block.compile(dynamic=True)
+
+
 class Policy:
     """Owns what the optimizer touches. ``accelerator.prepare`` wraps the transformer (DDP where launched so)."""
 
@@ -44,9 +68,20 @@ class Policy:
         for p in self.params:  # trainable weights stay fp32 (mixed precision autocasts the forward)
             p.data = p.data.float()
         t = cfg.train
-        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
-                                           eps=t.adam_eps, fused=device.type == "cuda")
-        adapter.transformer, self.optimizer = self.accelerator.prepare(transformer, self.optimizer)
+        configure_update_path(transformer, t)
+        self.optimizer = make_optimizer(self.params, t, device)
+        if self.accelerator.num_processes > 1:
+            # Several processes: no DDP wrapper. Processes run different numbers of forwards (their rollout batches,
+            # the main process's evaluations) and flowrl.distributed sums the gradients once per optimizer step, so
+            # the transformer stays a plain module and only its trainable weights are made equal at the start.
+            from .distributed import check_launch, sync_parameters
+
+            check_launch(self.accelerator)
+            transformer.to(self.accelerator.device)
+            sync_parameters(self.params)
+            self.optimizer = self.accelerator.prepare(self.optimizer)
+        else:
+            adapter.transformer, self.optimizer = self.accelerator.prepare(transformer, self.optimizer)
         self.ema = None
         if t.ema.enabled:
             from diffusers.training_utils import EMAModel

@@ -31,6 +31,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import Config
+from .distributed import Processes
 from .engine import Tree, kernel_options, rollout
 from .errors import ConfigError, FlowRLError, Stopped
 from .losses import gaussian_kl_same_std, guard_log_ratio, kl_std, ppo_clip_loss
@@ -50,6 +51,11 @@ class Trainer:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.train.seed)
+        self.procs = Processes(self.device)
+        if self.procs.world > cfg.sampler.rollout_batches:
+            raise ConfigError(f"sampler.rollout_batches={cfg.sampler.rollout_batches}: {self.procs.world} processes each "
+                              f"roll out whole prompt batches; set sampler.rollout_batches to a multiple of "
+                              f"{self.procs.world} (e.g. sampler.rollout_batches={self.procs.world})")
         # --- everything that can fail on bad input happens before a model loads or the run folder is touched
         self.prompts = PromptSource.from_config(cfg.data, cfg.train.seed, cfg.model)
         self.rewards = build_reward_set(cfg.rewards)
@@ -62,7 +68,7 @@ class Trainer:
             if cfg.train.iterations <= self.start_iteration:
                 raise ConfigError(f"resume: {resume_ckpt} ends at iteration {self.start_iteration} and "
                                   f"train.iterations={cfg.train.iterations}; raise train.iterations to continue the run")
-        self.folder = RunFolder.plan(cfg, config_name, run_dir, resume_ckpt)
+        self.folder = RunFolder(self.procs.broadcast(RunFolder.plan(cfg, config_name, run_dir, resume_ckpt).path))
         self.run_dir, self.metrics_path, self.curve_path = self.folder.path, self.folder.metrics, self.folder.curve
         # --- the model and the policy
         self.adapter = load_adapter(cfg.model, self.device)
@@ -78,13 +84,16 @@ class Trainer:
         self.context = AlgorithmContext(self.prompts, self.rewards, self.rollout_sampler)
         if resume_ckpt is not None:
             self._load(resume_ckpt)
-        self.folder.open(cfg, self.start_iteration if resume_ckpt is not None else None,
-                         self.accelerator if cfg.log.trackers else None)
+        if self.procs.is_main:  # one process writes the run folder
+            self.folder.open(cfg, self.start_iteration if resume_ckpt is not None else None,
+                             self.accelerator if cfg.log.trackers else None)
+        self.procs.barrier()
         self._cumulative = {"nfe_rollout_cum": 0, "rollouts_cum": 0, "seconds_cum": 0.0}
         rows = report.read_metrics(self.metrics_path)
         if rows:
             self._cumulative = {k: rows[-1].get(k, 0) for k in self._cumulative}
         self._stop_signal = None
+        self.best = self._read_best()  # the held-out curve's best point, the same on every process
 
     # ------------------------------------------------------------------------------------------ resume
     @staticmethod
@@ -136,7 +145,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ loop
     def train(self) -> Path:
         cfg = self.cfg
-        bar = tqdm(range(self.start_iteration, cfg.train.iterations), desc="train", disable=not cfg.log.progress,
+        bar = tqdm(range(self.start_iteration, cfg.train.iterations), desc="train",
+                   disable=not (cfg.log.progress and self.procs.is_main),
                    initial=self.start_iteration, total=cfg.train.iterations)
         if self.start_iteration == 0:
             self.sample_grid(0)
@@ -153,24 +163,26 @@ class Trainer:
                 last = it == cfg.train.iterations - 1 or stop_early is not None
                 if stop_early:
                     bar.write(stop_early)
-                    best = self._best()
-                    best["stopped_early"] = stop_early
-                    report.atomic_write_bytes(self.run_dir / "best.json", json.dumps(best, indent=1).encode())
+                    self.best["stopped_early"] = stop_early
+                    self._write_best()
                 if last or (cfg.log.sample_every and (it + 1) % cfg.log.sample_every == 0):
                     self.sample_grid(it + 1)
-                if last or self._stop_signal or (cfg.log.save_every and (it + 1) % cfg.log.save_every == 0):
+                stop_signal = self.procs.any(self._stop_signal is not None)  # a SIGTERM that reached any process
+                if last or stop_signal or (cfg.log.save_every and (it + 1) % cfg.log.save_every == 0):
                     ckpt = self.save(it)
-                if self._stop_signal and not last:
+                if stop_signal and not last:
                     bar.close()
                     raise Stopped(f"stopped by SIGTERM after iteration {it}; checkpoint {ckpt}; continue with "
                                   f"resume=latest log.run_name={self.run_dir.name} log.output_dir={self.run_dir.parent}")
                 if last:
                     break
         self.restore_best()
-        report.plot_reward_curve(self.run_dir)
+        if self.procs.is_main:
+            report.plot_reward_curve(self.run_dir)
         if self.evaluator is not None and self.start_iteration < cfg.train.iterations:
             self.evaluate("after")
-            report.plot_reward_curve(self.run_dir)  # again, with the held-out panel
+            if self.procs.is_main:
+                report.plot_reward_curve(self.run_dir)  # again, with the held-out panel
         if cfg.log.trackers:
             self.accelerator.end_training()
         return self.run_dir
@@ -178,7 +190,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ evaluation
     def evaluate(self, when: str) -> dict:
         """The held-out evaluation (log.eval) of the (EMA) policy, written to eval.json, and a before | after
-        grid of the evaluator's chosen samples."""
+        grid of the evaluator's chosen samples. The main process evaluates; the others return {}."""
+        if not self.procs.is_main:
+            return {}
         with self.policy.ema_weights():
             result, grid, labels = self.evaluator(self.eval_sampler, self.cfg.log.eval_seeds, grid=True)
         path = self.run_dir / "eval.json"
@@ -208,24 +222,29 @@ class Trainer:
         cfg = self.cfg
         if self.evaluator is None or not cfg.log.eval_every:
             return None
-        with self.policy.ema_weights():
-            result = self.evaluator(self.eval_sampler, cfg.log.eval_seeds[: cfg.log.eval_curve_seeds])
-            value = result.get(cfg.log.best_metric)
-            if not isinstance(value, (int, float)):
-                numbers = sorted(k for k, v in result.items() if isinstance(v, (int, float)))
-                raise ConfigError(f"log.best_metric: the {cfg.log.eval} evaluator has no number "
-                                  f"{cfg.log.best_metric!r}; use one of {', '.join(numbers)}")
-            best = self._best()
-            if best is None or value > best["value"]:
-                best = {"iteration": done, "metric": cfg.log.best_metric, "value": value, "since": 0}
-                if cfg.log.keep_best:  # the weights just evaluated (EMA where enabled; iteration 0: the start)
-                    p = self.policy
+        result = None
+        if self.procs.is_main:  # the main process evaluates; every process takes the same decisions from it
+            with self.policy.ema_weights():
+                result = self.evaluator(self.eval_sampler, cfg.log.eval_seeds[: cfg.log.eval_curve_seeds])
+        result = self.procs.broadcast(result)
+        value = result.get(cfg.log.best_metric)
+        if not isinstance(value, (int, float)):
+            numbers = sorted(k for k, v in result.items() if isinstance(v, (int, float)))
+            raise ConfigError(f"log.best_metric: the {cfg.log.eval} evaluator has no number "
+                              f"{cfg.log.best_metric!r}; use one of {', '.join(numbers)}")
+        if self.best is None or value > self.best["value"]:
+            self.best = {"iteration": done, "metric": cfg.log.best_metric, "value": value, "since": 0}
+            if cfg.log.keep_best and self.procs.is_main:  # the weights just evaluated (EMA where enabled)
+                p = self.policy
+                with p.ema_weights():
                     save_checkpoint(self.run_dir / "checkpoints" / "best", self.adapter, p.module, p.optimizer,
-                                    done - 1, lora=p.lora, extra={"best": best}, keep=cfg.log.keep_checkpoints)
-            else:
-                best["since"] += 1
-            report.atomic_write_bytes(self.run_dir / "best.json", json.dumps(best, indent=1).encode())
-        report.append_metrics(self.curve_path, {"iteration": done, **self._cumulative, **result})
+                                    done - 1, lora=p.lora, extra={"best": self.best}, keep=cfg.log.keep_checkpoints)
+        else:
+            self.best["since"] += 1
+        best = self.best
+        self._write_best()
+        if self.procs.is_main:
+            report.append_metrics(self.curve_path, {"iteration": done, **self._cumulative, **result})
         name = cfg.log.best_metric
         if cfg.log.early_stop_drop and best["value"] - value > cfg.log.early_stop_drop:
             return (f"stopping early at iteration {done}: held-out {name} {value:.4f} fell more than "
@@ -235,14 +254,19 @@ class Trainer:
                     f"(best {best['value']:.4f} at iteration {best['iteration']})")
         return None
 
-    def _best(self) -> dict | None:
+    def _read_best(self) -> dict | None:
         path = self.run_dir / "best.json"
         return json.loads(path.read_text()) if path.is_file() else None
+
+    def _write_best(self) -> None:
+        if self.procs.is_main:
+            report.atomic_write_bytes(self.run_dir / "best.json", json.dumps(self.best, indent=1).encode())
 
     def restore_best(self) -> None:
         """End the run with the best curve point's weights when they beat the last point's (``log.keep_best``):
         they become the policy (EMA reset to them) for the 'after' evaluation, and the run says so."""
-        best, ckpt = self._best(), self.run_dir / "checkpoints" / "best"
+        self.procs.barrier()  # the main process has written checkpoints/best
+        best, ckpt = self.best, self.run_dir / "checkpoints" / "best"
         if not (self.cfg.log.keep_best and best and ckpt.is_dir()):
             return
         last = report.read_metrics(self.curve_path)[-1]
@@ -250,9 +274,10 @@ class Trainer:
             return
         (load_lora_into if self.policy.lora else load_full_into)(self.policy.module, ckpt, self.cfg)
         self.policy.reset_ema()
-        print(f"the run ends with its best held-out weights: {best['metric']} {best['value']:.4f} at iteration "
-              f"{best['iteration']} (last point {last[best['metric']]:.4f} at iteration {last['iteration']}); they are "
-              f"in {ckpt}", file=sys.stderr)
+        if self.procs.is_main:
+            print(f"the run ends with its best held-out weights: {best['metric']} {best['value']:.4f} at iteration "
+                  f"{best['iteration']} (last point {last[best['metric']]:.4f} at iteration {last['iteration']}); they "
+                  f"are in {ckpt}", file=sys.stderr)
 
     # ------------------------------------------------------------------------------------------ one iteration
     def iteration(self, it: int) -> dict:
@@ -302,11 +327,12 @@ class Trainer:
             "seconds_train": t3 - t2,
             "peak_memory_mb": peak_memory_mb(self.device), **self._cumulative,
         })
-        report.append_metrics(self.metrics_path, row)
-        if cfg.log.trackers:
+        if self.procs.is_main:
+            report.append_metrics(self.metrics_path, row)
+            if (it + 1) % 5 == 0 or it == 0:
+                report.plot_reward_curve(self.run_dir)
+        if cfg.log.trackers:  # accelerate logs from the main process only
             self.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=it)
-        if (it + 1) % 5 == 0 or it == 0:
-            report.plot_reward_curve(self.run_dir)
         return row
 
     # ------------------------------------------------------------------------------------------ rollout + reward
@@ -332,13 +358,22 @@ class Trainer:
             out = self.rewards(images, [prompts[g] for g in rows], [metadata[g] for g in rows])
             return out, time.perf_counter() - start
 
+        # One batch draws from the iteration's generator; several draw each from its own generator forked from it,
+        # so a batch's tree does not depend on which process rolls it out (batches are dealt round-robin).
+        gens = [gen] if k == 1 else [torch.Generator().manual_seed(int(s))
+                                     for s in torch.randint(1 << 62, (k,), generator=gen)]
+        if cfg.sampler.noise_device == "device" and self.device.type != "cpu":  # noise drawn where it is used
+            gens = [torch.Generator(self.device).manual_seed(int(torch.randint(1 << 62, (1,), generator=g)))
+                    for g in gens]
+        mine = self.procs.share(list(range(k)))
         trees, pending = [], []
         t_rollout = 0.0
-        for a, b in zip(bounds[:-1], bounds[1:]):
+        for j in mine:
+            a, b = bounds[j], bounds[j + 1]
             start = time.perf_counter()
             idx = torch.arange(a, b)
             part = rollout(self.adapter, cond.index(idx.to(cond.embeds.device)), plan, self.sigmas, self.latent_shape,
-                           kernel=cfg.sampler.kernel, noise_level=cfg.sampler.noise_level, generator=gen,
+                           kernel=cfg.sampler.kernel, noise_level=cfg.sampler.noise_level, generator=gens[j],
                            max_batch=cfg.sampler.max_batch, guidance_scale=cfg.sampler.guidance_scale,
                            negative=self.negative, log_prob_reduce=cfg.train.log_prob_reduce, kernel_options=kernel_options(cfg),
                            roots=roots[a:b] if roots else None, store_mean=cfg.train.grpo_guard)
@@ -351,6 +386,12 @@ class Trainer:
         results = [p.result() if use_async else p for p in pending]
         wait = time.perf_counter() - start if use_async else sum(r[1] for r in results)
         scored = sum(r[1] for r in results)
+        if self.procs.distributed:  # every process gets every batch's tree and scores, in batch order
+            dev = trees[0].latents[0].device
+            parts = self.procs.gather([(j, t.to("cpu"), r[0]) for j, t, r in zip(mine, trees, results)])
+            parts.sort(key=lambda part: part[0])
+            trees = [t.to(dev) for _, t, _ in parts]
+            results = [(scores, 0.0) for _, _, scores in parts]
         return Tree.concat(trees), RewardScores.concat([r[0] for r in results]), {
             "seconds_rollout": t_rollout, "seconds_reward": scored, "seconds_reward_wait": wait,
             "seconds_reward_hidden": max(0.0, scored - wait), "rollout_batches": k}
@@ -385,11 +426,22 @@ class Trainer:
         s_next = tree.sigmas[tree.gather(tree.index, rnd, child)]
         logp = torch.empty(len(child), device=dev)
         kl = torch.zeros(len(child), device=dev)
+        adv = adv.to(dev).clamp(-cfg.advantage.clip, cfg.advantage.clip)
         options = kernel_options(cfg)
         sigma_at_one = float(tree.sigmas[1])
+        fused = self._fused_objective()
+        loss_and_ratio = (torch.empty(len(child), device=dev), torch.empty(len(child), device=dev)) if fused else None
         for lv in level.unique().tolist():  # the kernels take one noise level per call
             m = (level == lv).nonzero().flatten()
             md = m.to(dev)
+            if fused:  # log-prob, ratio, clip and KL in one compiled function
+                loss_m, ratio_m, logp[md], kl[md] = fused(
+                    x[pos[md]], v[pos[md]], s[m].to(dev), s_next[m].to(dev), prev[md], old[m].to(dev), adv[md],
+                    None if v_ref is None else v_ref[pos[md]], kernel=cfg.sampler.kernel, noise_level=lv,
+                    sigma_at_one=sigma_at_one, clip_range=cfg.train.clip_range, reduce=cfg.train.log_prob_reduce,
+                    kl_std_mode=cfg.train.kl_std, kernel_options=options)
+                loss_and_ratio[0][md], loss_and_ratio[1][md] = loss_m, ratio_m
+                continue
             out = kernel_step(cfg.sampler.kernel, x[pos[md]], v[pos[md]], s[m], s_next[m], noise_level=lv,
                               sigma_at_one=sigma_at_one, prev_sample=prev[md], reduce=cfg.train.log_prob_reduce,
                               **options)
@@ -403,7 +455,17 @@ class Trainer:
                 std = kl_std(cfg.train.kl_std, out.std, s[m].to(dev), s_next[m].to(dev))
                 kl[md] = gaussian_kl_same_std(out.mean, ref.mean, std)
         step_index = parent_index[pos.cpu()]
-        return logp, old.to(dev), adv.to(dev).clamp(-cfg.advantage.clip, cfg.advantage.clip), kl, step_index
+        return logp, old.to(dev), adv, kl, step_index, loss_and_ratio
+
+    def _fused_objective(self):
+        """The compiled per-edge objective where ``train.fused_loss`` asks for it and the rows are edges (GRPO-Guard
+        rewrites the log-ratio, so it keeps the eager path); else None."""
+        cfg = self.cfg
+        if not (cfg.train.fused_loss and self.algorithm.per_edge_rows and not cfg.train.grpo_guard):
+            return None
+        from .losses import compiled_edge_objective
+
+        return compiled_edge_objective()
 
     def update(self, tree: Tree, cond, node_adv, masks, gen: torch.Generator) -> dict:
         """PPO-clip update over the algorithm's work items (a parent state with its trained edges, or a chunk
@@ -428,14 +490,18 @@ class Trainer:
             n_mb = min(cfg.train.num_minibatches, len(order))
             for mb in range(n_mb):
                 mb_items = [items[i] for i in order[mb::n_mb]]
-                n_rows = sum(algo.item_rows(it) for it in mb_items)
+                n_rows = sum(algo.item_rows(it) for it in mb_items)  # the whole minibatch's, on every process
                 opt.zero_grad(set_to_none=True)
                 mb_ratios = []
-                for group in _micro_batches(mb_items, cfg.train.micro_batch):
+                for group in _micro_batches(self.procs.share(mb_items), cfg.train.micro_batch):
                     units = [u for it in group for u in it]
-                    logp, old, adv, kl, step = self._edge_terms(tree, units, cond, node_adv)
-                    log_ratio, adv, kl, step = algo.loss_rows(group, logp, old, adv, kl, step)  # (E,) -> (R,)
-                    loss_r, ratio = ppo_clip_loss(log_ratio, torch.zeros_like(log_ratio), adv, cfg.train.clip_range)
+                    logp, old, adv, kl, step, fused = self._edge_terms(tree, units, cond, node_adv)
+                    if fused is not None:  # per-edge rows, computed whole by the compiled objective
+                        loss_r, ratio = fused
+                    else:
+                        log_ratio, adv, kl, step = algo.loss_rows(group, logp, old, adv, kl, step)  # (E,) -> (R,)
+                        loss_r, ratio = ppo_clip_loss(log_ratio, torch.zeros_like(log_ratio), adv,
+                                                      cfg.train.clip_range)
                     row_loss = loss_r + cfg.train.kl_beta * kl
                     if weights is not None:  # (R,) the weight of each row's step
                         row_loss = row_loss * torch.tensor([weights[int(i)] for i in step], device=row_loss.device)
@@ -447,8 +513,10 @@ class Trainer:
                     pls.append(loss_r.detach())
                     approx.append(0.5 * (logp.detach() - old) ** 2)
                     steps.append(step)
+                self.procs.sum_gradients(self.policy.params)
                 if first:
-                    stats["ratio_max_abs_dev_first_update"] = float((torch.cat(mb_ratios) - 1).abs().max())
+                    dev_first = float((torch.cat(mb_ratios) - 1).abs().max()) if mb_ratios else 0.0
+                    stats["ratio_max_abs_dev_first_update"] = max(self.procs.gather([dev_first]))
                     first = False
                 ratios += mb_ratios
                 grad_norms.append(float(self.accelerator.clip_grad_norm_(self.policy.params, cfg.train.max_grad_norm)))
@@ -456,6 +524,11 @@ class Trainer:
                 stats["optimizer_steps"] += 1
                 if self.policy.ema is not None and stats["optimizer_steps"] % cfg.train.ema.update_every == 0:
                     self.policy.ema.step(self.policy.params)
+        if self.procs.distributed:  # every process's rows, so the statistics are the whole update's
+            ratios, clipped, approx, kls, pls, steps = (
+                [torch.cat(part) for part in self.procs.gather([[t.cpu() for t in x]]) if part]
+                for x in (ratios, clipped, approx, kls, pls, steps))
+            stats["nfe_train"] = sum(self.procs.gather([stats["nfe_train"]]))
         r = torch.cat(ratios).cpu()
         d = torch.cat(steps)
         stats.update({
@@ -492,13 +565,16 @@ class Trainer:
             n_mb = min(cfg.train.num_minibatches, len(order))
             for mb in range(n_mb):
                 mb_items = [items[k] for k in order[mb::n_mb]]
+                # the whole minibatch's re-noising draws, on every process, so an item's noise is its own
+                mb_eps = torch.randn((len(mb_items), *x0_all.shape[1:]), generator=gen)  # (M, *latent)
+                numbered = self.procs.share(list(enumerate(mb_items)))
                 policy.optimizer.zero_grad(set_to_none=True)
-                for a in range(0, len(mb_items), cfg.train.micro_batch):
-                    chunk = mb_items[a: a + cfg.train.micro_batch]
+                for a in range(0, len(numbered), cfg.train.micro_batch):
+                    chunk = [item for _, item in numbered[a: a + cfg.train.micro_batch]]
                     li = torch.tensor([i for i, _ in chunk])
                     t = t_all[li, torch.tensor([j for _, j in chunk])].to(dev)  # (B,)
                     x0 = x0_all[li.to(dev)]
-                    eps = torch.randn(x0.shape, generator=gen).to(dev)
+                    eps = mb_eps[[n for n, _ in numbered[a: a + cfg.train.micro_batch]]].to(dev)  # (B, *latent)
                     tt = t.view(-1, *([1] * (x0.ndim - 1)))
                     x_t = (1 - tt) * x0 + tt * eps  # (B, *latent) on the forward process
                     rows = cond.index(rows_all[li].to(cond.embeds.device))
@@ -518,11 +594,16 @@ class Trainer:
                     losses.append(loss.detach())
                     kls.append(kl.detach())
                     gaps.append(((v.detach() - v_old) ** 2).mean(dim=dims))
+                self.procs.sum_gradients(policy.params)
                 grad_norms.append(float(self.accelerator.clip_grad_norm_(policy.params, cfg.train.max_grad_norm)))
                 policy.optimizer.step()
                 stats["optimizer_steps"] += 1
                 if policy.ema is not None and stats["optimizer_steps"] % cfg.train.ema.update_every == 0:
                     policy.ema.step(policy.params)
+        if self.procs.distributed:
+            losses, kls, gaps = ([torch.cat(part) for part in self.procs.gather([[t.cpu() for t in x]]) if part]
+                                 for x in (losses, kls, gaps))
+            stats["nfe_train"] = sum(self.procs.gather([stats["nfe_train"]]))
         stats.update({"policy_loss": float(torch.cat(losses).mean()), "kl_loss": float(torch.cat(kls).mean()),
                       "grad_norm": sum(grad_norms) / len(grad_norms), "mean_abs_log_ratio": 0.0,
                       "old_policy_gap": float(torch.cat(gaps).mean())})  # mean (v - v_old)^2: how far the old lags
@@ -531,8 +612,10 @@ class Trainer:
         return stats
 
     # ------------------------------------------------------------------------------------------ outputs
-    def sample_grid(self, it: int) -> Path:
+    def sample_grid(self, it: int) -> Path | None:
         cfg = self.cfg
+        if not self.procs.is_main:
+            return None
         prompts = cfg.data.sample_prompts or self.prompts.prompts[:4]
         seeds = cfg.data.sample_seeds
         with self.policy.ema_weights():
@@ -541,11 +624,17 @@ class Trainer:
                                 title=f"iteration {it} (ODE, {cfg.sampler.eval_num_steps} steps; seeds {seeds})")
 
     def save(self, it: int) -> Path:
+        """The main process writes the checkpoint (every process holds the same weights and state); the others
+        wait for it, so a resume that follows reads it whole."""
         p = self.policy
-        return save_checkpoint(self.run_dir / "checkpoints" / f"iter_{it:05d}", self.adapter, p.module, p.optimizer, it,
-                               lora=p.lora, ema=p.ema, extra={"algorithm_state": self.algorithm.state_dict()},
-                               keep=self.cfg.log.keep_checkpoints,
-                               tensors={"old_policy": p.old} if p.old is not None else None)
+        path = self.run_dir / "checkpoints" / f"iter_{it:05d}"
+        if self.procs.is_main:
+            path = save_checkpoint(path, self.adapter, p.module, p.optimizer, it, lora=p.lora, ema=p.ema,
+                                   extra={"algorithm_state": self.algorithm.state_dict()},
+                                   keep=self.cfg.log.keep_checkpoints,
+                                   tensors={"old_policy": p.old} if p.old is not None else None)
+        self.procs.barrier()
+        return path
 
 
 def _micro_batches(items: list[list[Unit]], max_units: int):

@@ -17,10 +17,10 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"flowrl": ROOT / "flowrl", "flowrl.rewards": ROOT / "rewards", "flowrl.samplers": ROOT / "samplers"}
 # top to bottom: a module may import its own layer and the layers below, never one above
 LAYERS = [
-    ("cli", ["flowrl.cli"]),
+    ("cli", ["flowrl.cli", "flowrl.__main__"]),
     ("shapes demo (leaf)", ["flowrl.shapes", "flowrl.shapes.*"]),
     ("eval / bench", ["flowrl.evaluate", "flowrl.bench"]),
-    ("train", ["flowrl.trainer", "flowrl.policy", "flowrl.checkpoint", "flowrl.rundir"]),
+    ("train", ["flowrl.trainer", "flowrl.policy", "flowrl.checkpoint", "flowrl.rundir", "flowrl.distributed"]),
     ("algorithms", ["flowrl.algorithms", "flowrl.algorithms.*"]),
     ("loss / advantages", ["flowrl.advantages", "flowrl.losses", "flowrl.trees", "flowrl.chunks", "flowrl.trackers"]),
     ("rewards / rollout / prompts", ["flowrl.rewards", "flowrl.rewards.*", "flowrl.engine", "flowrl.sampling",

@@ -33,6 +33,7 @@ class ChunkGRPOOptions(FlowGRPOOptions):
 
 class ChunkGRPO(FlowGRPO):
     Options = ChunkGRPOOptions
+    per_edge_rows = False  # rows are chunks
 
     @classmethod
     def check(cls, cfg) -> None:

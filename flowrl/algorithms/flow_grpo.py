@@ -40,6 +40,7 @@ class FlowGRPO:
     window_required = False
     forward_process = False  # True: trained on re-noised clean samples (DiffusionNFT), not on transitions
     keeps_old_policy = False  # True: rollouts use an old copy of the weights that follows the trained ones
+    per_edge_rows = True  # loss_rows keeps one row per edge (so train.fused_loss can clip per edge)
 
     def __init__(self, cfg):
         self.cfg = cfg

@@ -62,11 +62,19 @@ def heldout_readout(pipe, seeds=(0, 1), steps: int = 10, guidance_scale: float =
     return result
 
 
+def _same_shapes(module: torch.nn.Module, path: Path) -> bool:
+    from safetensors import safe_open
+
+    own = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    with safe_open(str(path), "pt") as fh:
+        return all(own.get(k) == tuple(fh.get_slice(k).get_shape()) for k in fh.keys())
+
+
 def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps: int = 6000, batch: int = 32,
                         lr: float = 1e-3, seed: int = 0, ema_decay: float = 0.999, caption_dropout: float = 0.1,
                         save_every: int = 250, eval_every: int = 1000, export_dir: str | Path | None = None,
                         progress: bool = True, decay_from: int | None = None, lr_final: float = 0.1,
-                        shift: float = 1.0, init_from: str | Path | None = None) -> Path:
+                        shift: float = 1.0, init_from: str | Path | None = None, motion_weight: float = 0.0) -> Path:
     from diffusers.training_utils import EMAModel
 
     from .video_model import MOVING_SHAPES_TINY, build_tiny_moving_shapes_pipeline
@@ -83,6 +91,9 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
         from safetensors.torch import load_model
 
         load_model(pipe.transformer, str(Path(init_from) / "transformer.safetensors"))
+        text_file = Path(init_from) / "text_encoder.safetensors"
+        if text_file.is_file() and _same_shapes(pipe.text_encoder, text_file):  # same tokenizer: keep its encoder
+            load_model(pipe.text_encoder, str(text_file))
     params = [p for name in COMPONENTS for p in getattr(pipe, name).parameters()]
     for name in COMPONENTS:
         getattr(pipe, name).train().requires_grad_(True)
@@ -114,6 +125,8 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
         x, target = noised(x0, sigma, gen)  # (B, 3, F, H, W)
         v = pipe.transformer(hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=embeds, return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(v, target)
+        if motion_weight:  # the frame-to-frame change of the target, where the clip's motion lives, weighed up
+            loss = loss + motion_weight * torch.nn.functional.mse_loss(v.diff(dim=2), target.diff(dim=2))
         optimizer_step(loss, optimizer, params, ema, lr * lr_factor(step, steps, decay_from, lr_final))
         step += 1
         loss_ema = float(loss) if loss_ema is None else 0.98 * loss_ema + 0.02 * float(loss)
@@ -139,7 +152,8 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
     ema.copy_to(params)
     meta = {"command": command, "commands": commands, "steps": steps, "batch": batch, "lr": lr,
             "decay_from": decay_from, "lr_final": lr_final, "seed": seed, "ema_decay": ema_decay,
-            "caption_dropout": caption_dropout, "shift": shift, "init_from": str(init_from) if init_from else None, "wall_time_s": round(wall, 1), "final_loss_ema": loss_ema,
+            "caption_dropout": caption_dropout, "shift": shift, "motion_weight": motion_weight,
+            "init_from": str(init_from) if init_from else None, "wall_time_s": round(wall, 1), "final_loss_ema": loss_ema,
             "transformer_params": sum(p.numel() for p in pipe.transformer.parameters()),
             "text_encoder_params": sum(p.numel() for p in pipe.text_encoder.parameters()),
             "torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -1,0 +1,101 @@
+"""Processes of one run (``accelerate launch``): who does which share of the work and how results meet.
+
+The scheme keeps a multi-process run equal to a one-process run on the same seeds (up to float summation order):
+
+- every process draws the same prompts, plan and random numbers (the generators are seeded by seed and
+  iteration), so each holds the same decisions without exchanging them;
+- the rollout's prompt batches (``sampler.rollout_batches``, each with its own generator) are dealt round-robin
+  to the processes; each rolls out and scores its batches, and the trees and scores are gathered in batch order,
+  so every process holds the whole tree: one prompt's group may span processes, and group statistics,
+  zero-variance counts and curricula see all of it;
+- each minibatch's work items are dealt round-robin; gradients are summed over processes once per optimizer step
+  (each process's loss is already divided by the whole minibatch's rows), so the step equals one process's;
+- only the main process writes metrics, grids, checkpoints and tracker logs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Processes:
+    """The run's process group as seen from one process (a single process is a group of one)."""
+
+    def __init__(self, device: torch.device):
+        from accelerate import PartialState
+
+        self.state = PartialState(cpu=device.type == "cpu")
+        self.world = self.state.num_processes
+        self.rank = self.state.process_index
+        self.is_main = self.state.is_main_process
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def share(self, items: list) -> list:
+        """This process's share of ``items`` (round-robin, so shares differ in length by at most one)."""
+        return items[self.rank:: self.world]
+
+    def gather(self, objects: list) -> list:
+        """Every process's ``objects`` concatenated in rank order, on every process (picklable CPU objects)."""
+        if not self.distributed:
+            return list(objects)
+        from accelerate.utils import gather_object
+
+        return gather_object(list(objects))
+
+    def broadcast(self, obj):
+        """The main process's ``obj`` on every process."""
+        if not self.distributed:
+            return obj
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([obj])[0]
+
+    def any(self, flag: bool) -> bool:
+        """True on every process when ``flag`` is true on any (e.g. a SIGTERM that reached one process)."""
+        return any(self.gather([bool(flag)])) if self.distributed else bool(flag)
+
+    def barrier(self) -> None:
+        if self.distributed:
+            self.state.wait_for_everyone()
+
+    def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum each parameter's gradient over processes (one flattened all-reduce); a process that trained no
+        item this step contributes zeros."""
+        if not self.distributed:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[offset: offset + n].view_as(p).to(p.dtype)
+            offset += n
+
+
+
+def check_launch(accelerator) -> None:
+    """Multi-process training sums gradients itself (data parallel); sharded launches are refused up front."""
+    from accelerate.utils import DistributedType
+
+    from .errors import ConfigError
+
+    kind = accelerator.distributed_type
+    if kind not in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU, DistributedType.MULTI_XPU,
+                    DistributedType.MULTI_NPU, DistributedType.MULTI_MLU, DistributedType.MULTI_MUSA):
+        raise ConfigError(f"accelerate launch: flowrl trains data-parallel (every process holds the whole model); "
+                          f"{kind.value} is not supported yet; launch with configs/accelerate/multi_gpu.yaml")
+
+
+@torch.no_grad()
+def sync_parameters(params: list[torch.nn.Parameter]) -> None:
+    """The main process's values of ``params`` on every process (one flattened broadcast)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    torch.distributed.broadcast(flat, src=0)
+    offset = 0
+    for p in params:
+        p.copy_(flat[offset: offset + p.numel()].view_as(p))
+        offset += p.numel()
