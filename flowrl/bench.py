@@ -28,6 +28,57 @@ def _time_rollout(trainer, plan, cond, max_batch: int, repeats: int) -> tuple[fl
     return best, calls
 
 
+class TransformerClock:
+    """Seconds spent inside the transformer during a block: its forwards (hooks on the module) and the backward
+    passes (``accelerator.backward``, which on these models is the transformer's backward plus a few element-wise
+    ops). On CUDA each boundary synchronises, so the clock is for benchmarks, not for training runs."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.forward = self.backward = 0.0
+        self.forward_calls = 0
+
+    def _sync(self):
+        if self.trainer.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def __enter__(self):
+        module = self.trainer.policy.module
+        starts = []
+
+        def pre(mod, args):
+            self._sync()
+            starts.append(time.perf_counter())
+
+        def post(mod, args, out):
+            self._sync()
+            self.forward += time.perf_counter() - starts.pop()
+            self.forward_calls += 1
+
+        self._handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        accelerator = self.trainer.accelerator
+        self._backward = accelerator.backward
+
+        def timed_backward(loss, **kwargs):
+            self._sync()
+            t0 = time.perf_counter()
+            self._backward(loss, **kwargs)
+            self._sync()
+            self.backward += time.perf_counter() - t0
+
+        accelerator.backward = timed_backward
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self.trainer.accelerator.backward = self._backward
+
+    @property
+    def seconds(self) -> float:
+        return self.forward + self.backward
+
+
 def run_bench(cfg, repeats: int = 1) -> dict:
     from .sampling import peak_memory_mb
     from .trainer import Trainer
@@ -36,7 +87,10 @@ def run_bench(cfg, repeats: int = 1) -> dict:
         cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, output_dir=tmp, run_name="bench", progress=False))
         trainer = Trainer(cfg)
         trainer.iteration(0)  # warm-up (allocations, caches)
-        row = trainer.iteration(1)
+        with TransformerClock(trainer) as clock:
+            t0 = time.perf_counter()
+            row = trainer.iteration(1)
+            wall = time.perf_counter() - t0
         plan = trainer.algorithm.plan(1, random.Random(0), trainer.sigmas)
         prompts, _ = trainer.prompts.batch(1, cfg.train.prompts_per_iter)
         cond = trainer.adapter.encode_prompts(prompts)
@@ -57,6 +111,14 @@ def run_bench(cfg, repeats: int = 1) -> dict:
             "seconds_reward": round(row["seconds_reward"], 4),
             "seconds_train": round(row["seconds_train"], 4),
             "seconds_iteration": round(row["seconds_rollout"] + row["seconds_reward"] + row["seconds_train"], 4),
+            # the whole iteration (prompt encoding, rollout, decode, reward, advantages, update, logging) against the
+            # time inside the transformer's forwards and backwards: what the engine around the model costs
+            "seconds_iteration_wall": round(wall, 4),
+            "seconds_transformer": round(clock.seconds, 4),
+            "seconds_transformer_forward": round(clock.forward, 4),
+            "seconds_transformer_backward": round(clock.backward, 4),
+            "transformer_forward_calls": clock.forward_calls,
+            "iteration_vs_transformer": round(wall / max(clock.seconds, 1e-9), 3),
             "peak_memory_mb": round(peak_memory_mb(trainer.device), 1),
             "rollout_batched": {"max_batch": cfg.sampler.max_batch, "seconds": round(batched, 4), "transformer_calls": calls_b},
             "rollout_max_batch_1": {"max_batch": 1, "seconds": round(single, 4), "transformer_calls": calls_1},
@@ -80,6 +142,7 @@ def compare_table(results: list[dict]) -> list[dict]:
             "rollout_time_vs_first": round(r["seconds_rollout"] / base["seconds_rollout"], 3),
             "train_time_vs_first": round(r["seconds_train"] / max(base["seconds_train"], 1e-9), 3),
             "rollout_speedup_batched_vs_1": r["speedup_batched_vs_1"],
+            "iteration_vs_transformer": r["iteration_vs_transformer"],
         })
     return rows
 

@@ -131,6 +131,26 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_bench_gpu(args) -> int:
+    from .gpu_bench import run_gpu_bench
+
+    if not args.tiny and not torch_cuda_available():
+        raise FlowRLError("bench-gpu: no CUDA device here; run it on a GPU machine, or add --tiny for the CPU check")
+    rows = run_gpu_bench(tuple(args.families), tuple(args.resolutions), args.batch, args.prompts, args.peak_tflops,
+                         tiny=args.tiny)
+    if args.out:
+        from .report import atomic_write_bytes
+
+        atomic_write_bytes(Path(args.out), json.dumps(rows, indent=1).encode())
+    return 0
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def cmd_bench(args) -> int:
     from .bench import compare_table, memory_growth, run_bench
 
@@ -320,6 +340,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--memory", type=int, metavar="N", help="instead: train N iterations and print the resident "
                    "memory's slope over the second half (MiB per 100 iterations), to catch leaks")
     b.set_defaults(func=cmd_bench)
+    bg = sub.add_parser("bench-gpu", help="SD3.5-Medium- and FLUX.1-sized transformers (random weights, real configs): "
+                        "LoRA GRPO update step and flat / tree rollouts; time, images/s, TFLOP/s, MFU, peak memory")
+    bg.add_argument("--families", nargs="+", default=["sd35m", "flux1"], choices=["sd35m", "flux1"])
+    bg.add_argument("--resolutions", nargs="+", type=_positive_int, default=[512, 1024])
+    bg.add_argument("--batch", type=_positive_int, default=4, help="edges per update step")
+    bg.add_argument("--prompts", type=_positive_int, default=2, help="prompts per rollout (16 leaves each)")
+    bg.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense bf16 peak (H100/H200 SXM: 989)")
+    bg.add_argument("--tiny", action="store_true", help="shrunken models at 64 px: the same code path on a CPU")
+    bg.add_argument("--out", help="also write the rows to this JSON file")
+    bg.set_defaults(func=cmd_bench_gpu)
     e = sub.add_parser("eval", help="held-out shapes accuracy (one JSON line), or with --prompts/--reward a reward table + CSV")
     e.add_argument("config", nargs="?")
     e.add_argument("overrides", nargs="*")

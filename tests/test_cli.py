@@ -72,6 +72,10 @@ def test_bench_prints_json(capsys, tmp_path):
     assert out["rollout_max_batch_1"]["transformer_calls"] == 4 * 16
     assert out["rollout_batched"]["transformer_calls"] == 4
     assert out["speedup_batched_vs_1"] > 0
+    # the transformer clock: the measured iteration's 4 rollout calls plus its training forwards (one per micro-batch)
+    assert out["transformer_forward_calls"] >= 4 + out["nfe_train"] // 64
+    assert 0 < out["seconds_transformer_forward"] and 0 < out["seconds_transformer_backward"]
+    assert out["seconds_transformer"] <= out["seconds_iteration_wall"] and out["iteration_vs_transformer"] >= 1
 
 
 def test_eval_reward_table_is_reproducible(tmp_path, capsys):
@@ -164,3 +168,21 @@ def test_bench_memory_prints_the_rss_slope(capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["iterations"] == 6 and 0 < out["rss_mb_first"] and 0 < out["rss_mb_last"]
     assert isinstance(out["rss_slope_mb_per_100_iterations"], float) and out["slope_stderr_mb_per_100_iterations"] >= 0
+
+
+def test_bench_gpu_runs_its_code_path_on_tiny_models():
+    """`flowrl bench-gpu --tiny`: the GPU benchmark's update step and rollouts on shrunken SD3.5-M / FLUX.1 layouts
+    (the timings are printed, not asserted); the FLOP count is measured and the tree saves evaluations."""
+    from flowrl.gpu_bench import run_gpu_bench
+
+    rows = run_gpu_bench(("sd35m", "flux1"), (64,), batch=2, prompts=1, tiny=True, device="cpu", emit=lambda r: None,
+                         compiled=False)
+    assert [(r["family"], r["case"]) for r in rows] == [
+        (f, c) for f in ("sd35m", "flux1")
+        for c in ("update", "update unfused-adamw", "update checkpointing", "rollout flat", "rollout tree")]
+    for r in rows:
+        assert r["seconds"] > 0 and r["images_per_s"] > 0
+        if r["case"].startswith("update"):
+            assert r["gflop_per_step"] > 0 and r["mfu"] >= 0
+    flat, tree = rows[3], rows[4]  # 16 chains x 20 steps vs branch 2 at steps 0, 3, 6, 9: 1+2*3+4*3+8*3+16*10
+    assert (flat["nfe"], tree["nfe"], flat["leaves"], tree["leaves"]) == (320, 203, 16, 16)

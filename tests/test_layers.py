@@ -19,7 +19,7 @@ SOURCES = {"flowrl": ROOT / "flowrl", "flowrl.rewards": ROOT / "rewards", "flowr
 LAYERS = [
     ("cli", ["flowrl.cli", "flowrl.__main__"]),
     ("shapes demo (leaf)", ["flowrl.shapes", "flowrl.shapes.*"]),
-    ("eval / bench", ["flowrl.evaluate", "flowrl.bench"]),
+    ("eval / bench", ["flowrl.evaluate", "flowrl.bench", "flowrl.gpu_bench"]),
     ("train", ["flowrl.trainer", "flowrl.policy", "flowrl.checkpoint", "flowrl.rundir", "flowrl.distributed"]),
     ("algorithms", ["flowrl.algorithms", "flowrl.algorithms.*"]),
     ("loss / advantages", ["flowrl.advantages", "flowrl.losses", "flowrl.trees", "flowrl.chunks", "flowrl.trackers"]),

@@ -1,0 +1,247 @@
+"""``flowrl bench-gpu``: SD3.5-Medium- and FLUX.1-sized transformers with random weights built from the real
+architecture configs (nothing is downloaded), timed on one accelerator:
+
+- a LoRA GRPO update step in bf16 autocast (fp32 trainable weights, the per-edge Flow-SDE objective of
+  :func:`flowrl.losses.edge_objective`), with fused AdamW, ``torch.compile`` of the blocks and gradient
+  checkpointing toggled;
+- a flat rollout (G independent chains) and a BranchGRPO tree rollout through :func:`flowrl.engine.rollout`;
+
+at 512 and 1024 px. Each line prints step time, images/s, achieved TFLOP/s and MFU. The FLOP count is measured,
+not assumed: ``torch.utils.flop_counter.FlopCounterMode`` counts the matmuls and attention of one step (forward
+and backward), and MFU divides the achieved rate by the device's dense bf16 peak (``--peak-tflops``; H100/H200
+SXM: 989). ``--tiny`` shrinks every model so that the same code runs on a CPU (the test suite does).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .models.common import PromptEmbeds
+
+# The published architecture configs (the checkpoints' transformer/config.json), without weights.
+SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
+                   num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                   pooled_projection_dim=2048, pos_embed_max_size=384, qk_norm="rms_norm",
+                   dual_attention_layers=tuple(range(13)))
+FLUX1_DEV = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38,
+                 attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                 guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+TINY = {"sd35m": dict(SD35_MEDIUM, num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                      caption_projection_dim=32, pooled_projection_dim=16, pos_embed_max_size=64,
+                      dual_attention_layers=(0,)),
+        "flux1": dict(FLUX1_DEV, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                      joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))}
+TEXT_TOKENS = {"sd35m": 333, "flux1": 512}  # CLIP 77 x 2 padded + T5 256 (SD3); T5 512 (FLUX.1-dev)
+LORA_TARGETS = {"sd35m": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"],
+                "flux1": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]}
+
+
+@dataclass
+class BenchModel:
+    """A transformer with a ``velocity`` of the adapter protocol's shape (what the engine calls)."""
+    family: str
+    transformer: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+
+    def latent_shape(self, px: int) -> tuple[int, ...]:
+        return (16, px // 8, px // 8)  # both families: a 16-channel VAE at 8x
+
+    def velocity(self, x, sigma, cond: PromptEmbeds, guidance_scale: float = 1.0, negative=None):
+        tr = self.transformer
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            if self.family == "sd35m":
+                out = tr(hidden_states=x, encoder_hidden_states=cond.embeds, pooled_projections=cond.pooled,
+                         timestep=sigma * 1000, return_dict=False)[0]
+                return out.float()
+            b, c, h, w = x.shape  # FLUX packs 2x2 latent patches into 64-channel tokens
+            tokens = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h * w // 4, c * 4)
+            ids = torch.zeros(h // 2, w // 2, 3, device=x.device)
+            ids[..., 1] = torch.arange(h // 2, device=x.device)[:, None]
+            ids[..., 2] = torch.arange(w // 2, device=x.device)[None, :]
+            out = tr(hidden_states=tokens, encoder_hidden_states=cond.embeds, pooled_projections=cond.pooled,
+                     timestep=sigma, img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(cond.embeds.shape[1], 3, device=x.device),
+                     guidance=torch.full((b,), 3.5, device=x.device), return_dict=False)[0]
+            return out.float().view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
+
+def build(family: str, device: torch.device, tiny: bool, lora_rank: int = 32) -> BenchModel:
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+    from peft import LoraConfig
+
+    cfg = (TINY if tiny else {"sd35m": SD35_MEDIUM, "flux1": FLUX1_DEV})[family]
+    cls = SD3Transformer2DModel if family == "sd35m" else FluxTransformer2DModel
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    with torch.device(device):
+        tr = cls(**cfg).to(dtype)  # frozen base weights in bf16 on the accelerator
+    tr.requires_grad_(False)
+    tr.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, init_lora_weights="gaussian",
+                              target_modules=LORA_TARGETS[family]))
+    for p in tr.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # trainable weights in fp32, as the trainer keeps them
+    return BenchModel(family, tr, device, dtype)
+
+
+def _cond(model: BenchModel, n: int, tiny: bool) -> PromptEmbeds:
+    tr = model.transformer.config
+    tokens = 16 if tiny else TEXT_TOKENS[model.family]
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(n, tokens, tr.joint_attention_dim, generator=g).to(model.device)
+    pooled = torch.randn(n, tr.pooled_projection_dim, generator=g).to(model.device)
+    return PromptEmbeds(embeds, pooled)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_mb(device) -> float:
+    return torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else 0.0
+
+
+def update_step(model: BenchModel, px: int, batch: int, tiny: bool, *, fused_adamw: bool, checkpointing: bool,
+                repeats: int = 3) -> dict:
+    """One LoRA GRPO update on ``batch`` edges at ``px``: forward, per-edge objective, backward, AdamW step."""
+    from .losses import edge_objective
+    from .samplers.kernels import step as kernel_step
+
+    dev, tr = model.device, model.transformer
+    if checkpointing:
+        tr.enable_gradient_checkpointing()
+    else:
+        tr.disable_gradient_checkpointing()
+    params = [p for p in tr.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=fused_adamw and dev.type == "cuda")
+    g = torch.Generator().manual_seed(1)
+    shape = (batch, *model.latent_shape(px))
+    x = torch.randn(shape, generator=g).to(dev)
+    sigma = torch.full((batch,), 0.7, device=dev)
+    s_next = torch.full((batch,), 0.65, device=dev)
+    cond = _cond(model, batch, tiny)
+    with torch.no_grad():
+        v0 = model.velocity(x, sigma, cond)
+        out = kernel_step("flow_grpo", x, v0, sigma, s_next, noise_level=0.7, sigma_at_one=0.98,
+                          noise=torch.randn(shape, generator=g).to(dev))
+    adv = torch.randn(batch, generator=g).to(dev)
+
+    def one():
+        opt.zero_grad(set_to_none=True)
+        v = model.velocity(x, sigma, cond)
+        loss, *_ = edge_objective(x, v, sigma, s_next, out.sample, out.log_prob, adv, None, kernel="flow_grpo",
+                                  noise_level=0.7, sigma_at_one=0.98, clip_range=1e-4)
+        loss.mean().backward()
+        opt.step()
+
+    flops = _count_flops(one)
+    one()  # warm-up (and compilation, where the blocks are compiled)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        one()
+    _sync(dev)
+    seconds = (time.perf_counter() - t0) / repeats
+    return {"seconds": seconds, "flops": flops, "images_per_s": batch / seconds, "peak_memory_mb": _peak_mb(dev)}
+
+
+def _count_flops(fn) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def rollout_time(model: BenchModel, px: int, prompts: int, tiny: bool, tree: bool, steps: int = 20) -> dict:
+    """A flat rollout (16 chains per prompt) or a BranchGRPO tree (branch 2 at steps 0, 3, 6, 9: 16 leaves per
+    prompt) through the engine, bf16 autocast, noise drawn on the device."""
+    from .engine import rollout
+    from .samplers.plans import RolloutPlan, StepSpec
+
+    if tree:
+        plan = RolloutPlan([StepSpec(branch=2 if i in (0, 3, 6, 9) else 1, trained=True,
+                                     sibling_noise="correlated") for i in range(steps)])
+    else:
+        plan = RolloutPlan([StepSpec(trained=True) for _ in range(steps)], roots_per_prompt=16)
+    sigmas = torch.linspace(1, 0, steps + 1)
+    cond = _cond(model, prompts, tiny)
+    dev = model.device
+    gen = torch.Generator(dev).manual_seed(0)
+
+    def one():
+        with torch.no_grad():
+            return rollout(model, cond, plan, sigmas, model.latent_shape(px), kernel="dance", noise_level=0.3,
+                           generator=gen, max_batch=64)
+
+    one()
+    _sync(dev)
+    t0 = time.perf_counter()
+    t = one()
+    _sync(dev)
+    seconds = time.perf_counter() - t0
+    leaves = int(t.leaf_group.numel())
+    return {"seconds": seconds, "nfe": t.nfe, "transformer_calls": t.transformer_calls, "leaves": leaves,
+            "images_per_s": leaves / seconds, "peak_memory_mb": _peak_mb(dev)}
+
+
+def run_gpu_bench(families=("sd35m", "flux1"), resolutions=(512, 1024), batch: int = 4, prompts: int = 2,
+                  peak_tflops: float = 989.0, tiny: bool = False, device: str | None = None, emit=print,
+                  compiled: bool = True) -> list[dict]:
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if tiny:
+        resolutions = tuple(min(r, 64) for r in resolutions)
+    rows = []
+
+    def emit_row(row):
+        rows.append(row)
+        emit(json.dumps(row))
+
+    cases = (("update", True, False), ("update unfused-adamw", False, False), ("update checkpointing", True, True))
+    for family in families:
+        model = build(family, dev, tiny)
+        model_flops = {}  # per resolution: the plain step's count (recomputation under checkpointing not credited)
+        for px in resolutions:
+            for name, fused, ckpt in cases:
+                r = update_step(model, px, batch, tiny, fused_adamw=fused, checkpointing=ckpt)
+                model_flops.setdefault(px, r["flops"])
+                emit_row(_update_row(family, px, name, batch, r, model_flops[px], peak_tflops))
+            for tree in (False, True):
+                r = rollout_time(model, px, prompts, tiny, tree)
+                emit_row({"family": family, "px": px, "case": "rollout tree" if tree else "rollout flat",
+                          "seconds": round(r["seconds"], 4), "images_per_s": round(r["images_per_s"], 2),
+                          "nfe": r["nfe"], "transformer_calls": r["transformer_calls"], "leaves": r["leaves"],
+                          "peak_memory_mb": round(r["peak_memory_mb"], 1)})
+        from .policy import configure_update_path
+
+        if compiled:
+            configure_update_path(model.transformer, _Opts(compile_transformer=True))  # last: compiled blocks stay so
+        for px in resolutions if compiled else ():
+            r = update_step(model, px, batch, tiny, fused_adamw=True, checkpointing=False)
+            emit_row(_update_row(family, px, "update compiled", batch, r, model_flops[px], peak_tflops))
+        del model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _update_row(family, px, case, batch, r, flops, peak_tflops) -> dict:
+    tflops = flops / r["seconds"] / 1e12
+    return {"family": family, "px": px, "case": case, "batch": batch, "seconds": round(r["seconds"], 4),
+            "images_per_s": round(r["images_per_s"], 2), "gflop_per_step": round(flops / 1e9, 4),
+            "achieved_tflops": round(tflops, 3), "mfu": round(tflops / peak_tflops, 4),
+            "peak_memory_mb": round(r["peak_memory_mb"], 1)}
+
+
+@dataclass
+class _Opts:
+    """The ``train`` fields :func:`flowrl.policy.configure_update_path` reads."""
+    gradient_checkpointing: bool = False
+    attention_backend: str = "native"
+    compile_transformer: bool = False
