@@ -167,6 +167,10 @@ def cmd_bench(args) -> int:
         res = run_bench(_load(path, overrides), repeats=args.repeats)
         res["config"] = path or "default"
         results.append(res)
+    from accelerate import PartialState
+
+    if not PartialState().is_main_process:  # under accelerate launch the main process prints
+        return 0
     if len(results) == 1:
         print(json.dumps(results[0], indent=1))
         return 0

@@ -74,3 +74,33 @@ def test_more_processes_than_rollout_batches_is_refused_in_one_line(tmp_path):
     assert done.returncode != 0
     assert "sampler.rollout_batches=1: 2 processes" in done.stderr
     assert not (tmp_path / "bad").exists()
+
+
+def test_bench_under_two_processes_prints_once_with_per_process_throughput():
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+           str(_free_port()), "-m", "flowrl", "bench", "configs/tiny_flow_grpo.yaml", "sampler.rollout_batches=2",
+           "sampler.num_steps=4", "train.prompts_per_iter=2", "algorithm.group_size=4"]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)  # one JSON document: only the main process printed
+    assert out["processes"] == 2 and out["leaves"] == 8
+    assert out["images_per_second_per_process"] == pytest.approx(out["images_per_second"] / 2, rel=1e-2)
+
+
+def test_two_process_resume_continues_exactly(tmp_path):
+    """Interrupted after iteration 0 and resumed with the same world size: the same weights and metrics as the
+    uninterrupted two-process run."""
+    whole = _train(tmp_path, "whole", 2, "tiny_flow_grpo.yaml", "train.prompts_per_iter=2", "log.save_every=1")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = _train(tmp_path, "cut", 2, "tiny_flow_grpo.yaml", "train.prompts_per_iter=2", "train.iterations=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = _train(tmp_path, "cut", 2, "tiny_flow_grpo.yaml", "train.prompts_per_iter=2", "resume=latest")
+    assert again.returncode == 0, again.stderr[-3000:]
+    a, b = _rows(tmp_path / "whole"), _rows(tmp_path / "cut")
+    assert [r["reward_mean/total"] for r in a] == [r["reward_mean/total"] for r in b]
+    assert b[1]["grad_norm"] == pytest.approx(a[1]["grad_norm"], rel=1e-6)
+    wa = load_file(tmp_path / "whole/checkpoints/iter_00001/pytorch_lora_weights.safetensors")
+    wb = load_file(tmp_path / "cut/checkpoints/iter_00001/pytorch_lora_weights.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
