@@ -91,6 +91,10 @@ class SamplerConfig:
     eval_num_steps: int = opt(10, "ODE steps for sample grids and evaluation", lo=1)
     rollout_batches: int = opt(1, "split each iteration's prompts into this many rollout batches (memory; and with "
                                "async_reward, scoring batch k overlaps the rollout of batch k+1)", lo=1)
+    pack_rollouts: bool = opt(False, "run a process's rollout batches staggered through shared transformer calls, so "
+                              "a batch's narrow first tree rounds fill the calls of the batch ahead of it (same trees)")
+    pack_stagger: int = opt(0, "rounds between the starts of packed batches (0: num_steps / batches, rounded up)",
+                            lo=0)
     async_reward: bool = opt(True, "score a rollout batch in a background thread while the next batch is rolled out")
     max_batch: int = opt(64, "most tree nodes per transformer call (rollout, sampling and evaluation)", lo=1)
     noise_device: str = opt("cpu", "where rollout noise is drawn: cpu (bit-exact across devices and batchings) or "

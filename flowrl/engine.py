@@ -15,6 +15,8 @@ transition std, noise level, SDE flag, trained-candidate flag. Leaves are the no
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import math
 from dataclasses import dataclass, field
 
@@ -223,22 +225,21 @@ def sibling_noise(shape: tuple[int, ...], branch: int, mode: str, strength: floa
     return (shared + strength * eps) / math.sqrt(1 + strength**2)
 
 
-@torch.no_grad()
-def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape: tuple[int, ...], *,
-            kernel: str, noise_level: float, generator: torch.Generator, max_batch: int = 64,
-            guidance_scale: float = 1.0, negative=None, log_prob_reduce: str = "mean",
-            initial_noise: torch.Tensor | None = None, roots: list[int] | None = None,
-            kernel_options: dict | None = None, store_mean: bool = False) -> Tree:
-    """Run ``plan`` for every prompt row of ``cond`` (P prompts) and return the tree.
+def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape: tuple[int, ...],
+                   *, kernel: str, noise_level: float, generator: torch.Generator, log_prob_reduce: str = "mean",
+                   initial_noise: torch.Tensor | None = None, roots: list[int] | None = None,
+                   kernel_options: dict | None = None,
+                   store_mean: bool = False) -> Generator[tuple, torch.Tensor, Tree]:
+    """The rollout of ``plan`` for ``num_prompts`` prompt rows as a generator of velocity requests: it yields
+    ``(x (N, *latent), sigma (N,), rows (N,))`` for each round's live nodes, is sent their velocities (N, *latent),
+    and returns the tree. :func:`rollout` drives one; :func:`packed_rollouts` drives several through shared calls.
 
-    Noise is drawn on the CPU from ``generator`` at full round size, independent of ``max_batch``, so the
-    same seed gives the same tree whatever the batching. ``initial_noise`` (P * roots, C, H, W) overrides
-    the root draw (used by tests and sample grids). ``roots`` gives each prompt its own number of initial
-    noises (SuperFlow's per-prompt group sizes) instead of ``plan.roots_per_prompt``. ``store_mean`` keeps each
+    Noise is drawn from ``generator`` (on the generator's device) at full round size, independent of how the
+    velocities are batched, so the same seed gives the same tree whatever the batching. ``initial_noise``
+    (P * roots, C, H, W) overrides the root draw (used by tests and sample grids). ``roots`` gives each prompt its
+    own number of initial noises (SuperFlow's per-prompt group sizes) instead of ``plan.roots_per_prompt``. ``store_mean`` keeps each
     edge's sampling mean in ``tree.mean`` (GRPO-Guard's ratio normalisation needs the old policy's mean).
     """
-    device = adapter.device
-    num_prompts = cond.embeds.shape[0]
     t_steps = plan.num_steps
     sigmas = sigmas.float().cpu()
     sigma_at_one = float(sigmas[1])
@@ -267,10 +268,8 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
         if live.numel() == 0:
             break
         sig = sigmas[idx[live]]
-        v_live, calls = velocity_batched(adapter, x[live.to(device)], sig.to(device), cond,
-                                         tree.group[r][live].to(device), max_batch, guidance_scale, negative)
+        v_live = yield x[live.to(device)], sig.to(device), tree.group[r][live].to(device)
         tree.nfe += live.numel()
-        tree.transformer_calls += calls
         v = torch.zeros_like(x)
         v[live.to(device)] = v_live
         parts = []  # (parent positions, latents, index, lineage, log_prob, std, level, sde, trained, stride, mean)
@@ -335,3 +334,67 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
     tree.log_prob = [t.float().cpu() for t in tree.log_prob]
     tree.std = [t.float().cpu() for t in tree.std]
     return tree
+
+
+@torch.no_grad()
+def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape: tuple[int, ...], *,
+            max_batch: int = 64, guidance_scale: float = 1.0, negative=None, **options) -> Tree:
+    """Run ``plan`` for every prompt row of ``cond`` (P prompts) and return the tree; each round's live nodes go
+    through the transformer in calls of at most ``max_batch``. ``options``: those of :func:`rollout_rounds`
+    (kernel, noise_level, generator, initial_noise, roots, ...)."""
+    rounds = rollout_rounds(cond.embeds.shape[0], adapter.device, plan, sigmas, latent_shape, **options)
+    calls = 0
+    try:
+        request = next(rounds)
+        while True:
+            x, sig, rows = request
+            v, n = velocity_batched(adapter, x, sig, cond, rows, max_batch, guidance_scale, negative)
+            calls += n
+            request = rounds.send(v)
+    except StopIteration as done:
+        tree = done.value
+    tree.transformer_calls = calls
+    return tree
+
+
+@torch.no_grad()
+def packed_rollouts(adapter, cond, batches: list[tuple[int, int, torch.Generator]], plan: RolloutPlan,
+                    sigmas: torch.Tensor, latent_shape: tuple[int, ...], *, stagger: int, max_batch: int = 64,
+                    guidance_scale: float = 1.0, negative=None, on_done=None, roots: list[int] | None = None,
+                    **options) -> list[Tree]:
+    """Several prompt batches' rollouts through shared transformer calls: batch j = prompt rows [a_j, b_j) of
+    ``cond`` with its own generator starts ``stagger`` rounds after batch j - 1, so its narrow first rounds fill
+    the calls of the batches ahead of it at their wide rounds. Each batch's tree equals its own :func:`rollout`
+    with that generator (the draws are per batch; only the batching of the velocities differs).
+
+    ``on_done(j, tree)`` is called as soon as batch j's tree is complete (e.g. to start scoring it). Returns the
+    trees in batch order; ``transformer_calls`` is shared, so each tree carries the calls of the rounds it took
+    part in, divided among the batches in them by their node counts (the total is the true call count)."""
+    gens = [rollout_rounds(b - a, adapter.device, plan, sigmas, latent_shape, generator=g,
+                           roots=roots[a:b] if roots else None, **options) for a, b, g in batches]
+    trees: list[Tree | None] = [None] * len(batches)
+    share = [0.0] * len(batches)
+    pending: dict[int, tuple] = {}
+    started, tick = 0, 0
+    while started < len(batches) or pending:
+        while started < len(batches) and (started * stagger <= tick or not pending):
+            pending[started] = next(gens[started])  # every plan has at least one round
+            started += 1
+        order = sorted(pending)
+        sizes = [pending[j][0].shape[0] for j in order]
+        x = torch.cat([pending[j][0] for j in order])  # (N, *latent) all pending batches' live nodes
+        sig = torch.cat([pending[j][1] for j in order])
+        rows = torch.cat([pending[j][2] + batches[j][0] for j in order])  # rows of the whole ``cond``
+        v, calls = velocity_batched(adapter, x, sig, cond, rows, max_batch, guidance_scale, negative)
+        for j, part, n in zip(order, v.split(sizes), sizes):
+            share[j] += calls * n / sum(sizes)
+            try:
+                pending[j] = gens[j].send(part)
+            except StopIteration as done:
+                del pending[j]
+                trees[j] = done.value
+                trees[j].transformer_calls = round(share[j])
+                if on_done is not None:
+                    on_done(j, trees[j])
+        tick += 1
+    return trees

@@ -32,7 +32,7 @@ from .checkpoint import (
 )
 from .config import Config
 from .distributed import Processes
-from .engine import Tree, kernel_options, rollout
+from .engine import Tree, kernel_options, packed_rollouts, rollout
 from .errors import ConfigError, FlowRLError, Stopped
 from .losses import gaussian_kl_same_std, guard_log_ratio, kl_std, ppo_clip_loss
 from .models import load_adapter
@@ -366,26 +366,42 @@ class Trainer:
             gens = [torch.Generator(self.device).manual_seed(int(torch.randint(1 << 62, (1,), generator=g)))
                     for g in gens]
         mine = self.procs.share(list(range(k)))
-        trees, pending = [], []
+        trees, pending = {}, {}
         t_rollout = 0.0
-        for j in mine:
+        options = dict(kernel=cfg.sampler.kernel, noise_level=cfg.sampler.noise_level, max_batch=cfg.sampler.max_batch,
+                       guidance_scale=cfg.sampler.guidance_scale, negative=self.negative,
+                       log_prob_reduce=cfg.train.log_prob_reduce, kernel_options=kernel_options(cfg),
+                       store_mean=cfg.train.grpo_guard)
+
+        def done(j, part):  # decode batch j's leaves and score them (in the reward thread with async_reward)
+            images = self.adapter.decode(part.leaves)
+            rows = (part.leaf_group + bounds[j]).tolist()
+            pending[j] = self._reward_pool.submit(score, images, rows) if use_async else score(images, rows)
+            trees[j] = part
+
+        if cfg.sampler.pack_rollouts and len(mine) > 1:  # my batches staggered through shared transformer calls
+            start = time.perf_counter()
+            stagger = cfg.sampler.pack_stagger or math.ceil(plan.num_steps / len(mine))
+            packed_rollouts(self.adapter, cond, [(bounds[j], bounds[j + 1], gens[j]) for j in mine], plan,
+                            self.sigmas, self.latent_shape, stagger=stagger, roots=roots,
+                            on_done=lambda n, part: done(mine[n], part), **options)
+            t_rollout = time.perf_counter() - start  # includes the decodes; the scoring overlaps where async
+        for j in [] if trees else mine:
             a, b = bounds[j], bounds[j + 1]
             start = time.perf_counter()
             idx = torch.arange(a, b)
             part = rollout(self.adapter, cond.index(idx.to(cond.embeds.device)), plan, self.sigmas, self.latent_shape,
-                           kernel=cfg.sampler.kernel, noise_level=cfg.sampler.noise_level, generator=gens[j],
-                           max_batch=cfg.sampler.max_batch, guidance_scale=cfg.sampler.guidance_scale,
-                           negative=self.negative, log_prob_reduce=cfg.train.log_prob_reduce, kernel_options=kernel_options(cfg),
-                           roots=roots[a:b] if roots else None, store_mean=cfg.train.grpo_guard)
-            images = self.adapter.decode(part.leaves)
+                           generator=gens[j], roots=roots[a:b] if roots else None, **options)
+            done(j, part)
             t_rollout += time.perf_counter() - start
-            rows = (part.leaf_group + a).tolist()
-            pending.append(self._reward_pool.submit(score, images, rows) if use_async else score(images, rows))
-            trees.append(part)
+        trees = [trees[j] for j in mine]
+        pending = [pending[j] for j in mine]
         start = time.perf_counter()
         results = [p.result() if use_async else p for p in pending]
         wait = time.perf_counter() - start if use_async else sum(r[1] for r in results)
         scored = sum(r[1] for r in results)
+        if not use_async:  # the scoring ran inside the rollout loop
+            t_rollout -= scored
         if self.procs.distributed:  # every process gets every batch's tree and scores, in batch order
             dev = trees[0].latents[0].device
             parts = self.procs.gather([(j, t.to("cpu"), r[0]) for j, t, r in zip(mine, trees, results)])

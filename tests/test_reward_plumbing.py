@@ -92,3 +92,49 @@ def test_nan_rewards_are_masked_counted_and_training_continues(tmp_path):
         assert row["reward_nan_count"] == 4  # every other leaf of 8
         assert math.isfinite(row["reward_mean/total"]) and math.isfinite(row["policy_loss"])
         assert row["trained_edges"] > 0
+
+
+def test_packed_rollouts_equal_unpacked_with_fewer_calls(tiny_adapter, tiny_cfg):
+    """Three prompt batches of a BranchGRPO-shaped tree (branch 2 at steps 0 and 2 of 6), each with its own
+    generator, staggered through shared calls: every tree's latents, log-probs and stds equal its own rollout's,
+    and the calls drop from 3 x 6 to 6 + 2 x 2 (the batches start 2 rounds apart)."""
+    from flowrl.engine import packed_rollouts
+    from flowrl.sampling import sigmas_for
+
+    ad = tiny_adapter
+    sig = sigmas_for(tiny_cfg, ad, 6)
+    shape = ad.latent_shape(16)
+    prompts = ["a red circle on a blue background", "a green square on a white background", "a blue cross",
+               "a white triangle on a red background", "a red square"]
+    cond = ad.encode_prompts(prompts)
+    plan = RolloutPlan([StepSpec(branch=2 if i in (0, 2) else 1, trained=True, sibling_noise="correlated")
+                        for i in range(6)])
+    batches = [(0, 2, 11), (2, 4, 12), (4, 5, 13)]
+    kw = dict(kernel="flow_grpo", noise_level=0.7)
+    alone = [rollout(ad, cond.index(torch.arange(a, b)), plan, sig, shape, generator=torch.Generator().manual_seed(s),
+                     **kw) for a, b, s in batches]
+    finished = []
+    packed = packed_rollouts(ad, cond, [(a, b, torch.Generator().manual_seed(s)) for a, b, s in batches], plan, sig,
+                             shape, stagger=2, on_done=lambda j, t: finished.append(j), **kw)
+    assert finished == [0, 1, 2]
+    for t_alone, t_packed in zip(alone, packed):
+        assert t_packed.nfe == t_alone.nfe
+        for name in ("latents", "log_prob", "std", "index", "group", "parent"):
+            for x, y in zip(getattr(t_alone, name), getattr(t_packed, name)):
+                assert torch.allclose(x.float(), y.float(), atol=1e-5), name
+        assert float(t_alone.log_prob[1].abs().sum()) > 0
+    assert sum(t.transformer_calls for t in alone) == 18
+    assert sum(t.transformer_calls for t in packed) == 10
+
+
+def test_trainer_packed_rollouts_give_the_same_iteration(tmp_path):
+    from flowrl.trainer import Trainer
+
+    rows = {}
+    for packed in (False, True):
+        cfg = make_cfg(tmp_path / str(packed), "train.iterations=1", "train.prompts_per_iter=2", "algorithm.group_size=3",
+                       "sampler.num_steps=4", "sampler.rollout_batches=2", f"sampler.pack_rollouts={packed}")
+        rows[packed] = Trainer(cfg).iteration(0)
+    assert rows[True]["reward_mean/total"] == rows[False]["reward_mean/total"]
+    assert rows[True]["ratio_mean"] == rows[False]["ratio_mean"]
+    assert rows[True]["transformer_calls_rollout"] < rows[False]["transformer_calls_rollout"] == 8
