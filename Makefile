@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.flowrl-installed
 
-.PHONY: demo demo-video test test-slow bench setup clean
+.PHONY: demo demo-video test test-slow bench bench-gpu setup clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/flowrl bench configs/tiny_flow_grpo.yaml
+
+# on a CUDA machine: SD3.5-M and FLUX.1 layouts, update step and rollouts at 512 / 1024 px (about 10 minutes on one H200)
+bench-gpu: $(STAMP)
+	$(VENV)/bin/flowrl bench-gpu --out bench_gpu.json
 
 clean:
 	rm -rf runs compare .pytest_cache
