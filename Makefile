@@ -31,7 +31,7 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/flowrl bench configs/tiny_flow_grpo.yaml
 
-# on a CUDA machine: SD3.5-M and FLUX.1 layouts, update step and rollouts at 512 / 1024 px (about 10 minutes on one H200)
+# on a CUDA machine: SD3.5-M and FLUX.1 layouts, update step and rollouts at 512 / 1024 px (not yet run on a GPU)
 bench-gpu: $(STAMP)
 	$(VENV)/bin/flowrl bench-gpu --out bench_gpu.json
 

@@ -126,8 +126,24 @@ def cmd_compare(args) -> int:
         if not Path(d).is_dir():
             raise FlowRLError(f"{d}: not a directory")
     png, csv_path, summary = compare_runs([Path(d) for d in args.runs], Path(args.out), args.x, args.metric,
-                                          args.smoothing)
+                                          args.smoothing, band=args.band)
     print(json.dumps({"png": str(png), "csv": str(csv_path), "summary": summary}, indent=1))
+    return 0
+
+
+def cmd_rank(args) -> int:
+    from .report import atomic_write_bytes, format_rank_table, rank_runs, write_csv
+
+    for d in args.runs:
+        if not Path(d).is_dir():
+            raise FlowRLError(f"{d}: not a directory")
+    table, baseline = rank_runs([Path(d) for d in args.runs], args.baseline)
+    text = format_rank_table(table, baseline)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / "rank.md", (text + "\n").encode())
+    write_csv(out / "rank.csv", [{**r, "seeds": " ".join(map(str, r["seeds"]))} for r in table], list(table[0]))
+    print(text)
     return 0
 
 
@@ -335,7 +351,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a logged metric, or heldout/all / heldout/reward (the log.eval_every curve)")
     c.add_argument("--smoothing", type=_positive_int, default=1, help="moving-average window in points (>= 1)")
     c.add_argument("--out", default="compare")
+    c.add_argument("--band", choices=["minmax", "se"], default="minmax",
+                   help="seed band: min-max, or +-1 standard error of the mean")
     c.set_defaults(func=cmd_compare)
+    rk = sub.add_parser("rank", help="ranked preset table from finished runs: held-out gain mean +- standard error "
+                        "over seeds, reward, cleanliness, time, images; differences from a baseline beyond 2 SE")
+    rk.add_argument("runs", nargs="+", help="run directories (runs differing only in train.seed form one preset)")
+    rk.add_argument("--baseline", help="the preset label compared against (default: the first run's)")
+    rk.add_argument("--out", default="rank", help="folder for rank.csv and rank.md")
+    rk.set_defaults(func=cmd_rank)
     b = sub.add_parser("bench", help="time one iteration; rollout batched vs max_batch=1; several configs side by "
                        "side with ratios to the first (JSON)")
     b.add_argument("config", nargs="?", help="a config; more configs and key=value overrides may follow")

@@ -278,9 +278,10 @@ def _first_reach(xs: list[float], ys: list[float], target: float) -> float | Non
 
 
 def compare_runs(run_dirs: list[Path], out_dir: Path, x_axis: str = "iteration", metric: str = "reward_mean/total",
-                 smoothing: int = 1) -> tuple[Path, Path, list[dict]]:
+                 smoothing: int = 1, band: str = "minmax") -> tuple[Path, Path, list[dict]]:
     """Plot ``metric`` of several runs against iteration / rollout NFE / images / training time; runs that differ
-    only in seed are drawn as one mean line with a min-max band. ``heldout/all`` and ``heldout/reward`` read the
+    only in seed are drawn as one mean line with a band: min-max over seeds, or (``band="se"``) mean +- the
+    standard error of the mean. ``heldout/all`` and ``heldout/reward`` read the
     held-out curve (eval_curve.jsonl). Writes compare.png and compare.csv and returns a summary per label: start
     and final values (mean, min, max over seeds), the x spent, and the x each seed needed to first reach the
     first label's mean final value (``reach_*``; the first label is the reference)."""
@@ -310,8 +311,14 @@ def compare_runs(run_dirs: list[Path], out_dir: Path, x_axis: str = "iteration",
         mean = [sum(v) / len(v) for v in ys]
         ax.plot(xs, mean, color=color, marker="." if metric in HELDOUT else None,
                 label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
-        if len(runs) > 1:
+        if len(runs) > 1 and band == "se":
+            se = [_stderr(v) for v in ys]
+            ax.fill_between(xs, [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)], color=color,
+                            alpha=0.2)
+        elif len(runs) > 1:
             ax.fill_between(xs, [min(v) for v in ys], [max(v) for v in ys], color=color, alpha=0.2)
+    if band == "se":
+        ax.set_title("bands: +-1 standard error of the mean over seeds", fontsize=8)
     ax.set_xlabel(X_NAMES[x_axis])
     ax.set_ylabel((metric + " (%)" if scale != 1 else metric) + (f" (smoothed {smoothing})" if smoothing > 1 else ""))
     ax.grid(alpha=0.3)
@@ -336,3 +343,73 @@ def compare_runs(run_dirs: list[Path], out_dir: Path, x_axis: str = "iteration",
     csv_path = out_dir / "compare.csv"
     write_csv(csv_path, csv_rows, ["run", "label", "seed", x_axis, metric])
     return png, csv_path, summary
+
+
+def _stderr(values: list[float]) -> float:
+    """Standard error of the mean (sample std with ddof 1 over sqrt(n)); 0 for a single value."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    return (sum((v - mean) ** 2 for v in values) / (n - 1) / n) ** 0.5
+
+
+def rank_runs(run_dirs: list[Path], baseline: str | None = None, max_se: float = 0.015) -> tuple[list[dict], str]:
+    """The ranked preset table from finished runs (``eval.json`` before / after, the last metrics row): per label
+    (runs differing only in seed), the mean held-out all-correct gain +- its standard error over seeds, the held-out
+    reward after, the cleanliness change (background noise after - before), training seconds and images rolled
+    out; sorted by mean gain. Each label's difference from ``baseline`` (default: the first label given) is called
+    significant when it exceeds two standard errors of the difference, sqrt(se^2 + se_base^2); ``se_ok`` says
+    whether the label's standard error is within ``max_se`` (1.5 points). Returns (table, the baseline's label)."""
+    from .errors import FlowRLError
+
+    groups: dict[str, list[dict]] = {}
+    for rd in map(Path, run_dirs):
+        path = rd / "eval.json"
+        ev = json.loads(path.read_text()) if path.is_file() else {}
+        if "before" not in ev or "after" not in ev:
+            raise FlowRLError(f"{rd}: no eval.json with 'before' and 'after'; train with log.eval=shapes (or "
+                              f"moving-shapes) to the end")
+        last = (read_metrics(rd / "metrics.jsonl") or [{}])[-1]
+        label, seed = _run_label(rd)
+        b, a = ev["before"], ev["after"]
+        groups.setdefault(label, []).append({
+            "seed": seed, "gain": a["all"] - b["all"], "after": a["all"], "reward_after": a.get("reward", float("nan")),
+            "noise_change": a.get("background_noise", float("nan")) - b.get("background_noise", float("nan")),
+            "seconds": last.get("seconds_cum", float("nan")), "rollouts": last.get("rollouts_cum", float("nan"))})
+    if baseline is not None and baseline not in groups:
+        raise FlowRLError(f"--baseline {baseline!r} is none of the labels: {', '.join(groups)}")
+    base_label = baseline or next(iter(groups))
+    table = []
+    for label, runs in groups.items():
+        gains = [r["gain"] for r in runs]
+        mean = lambda k: sum(r[k] for r in runs) / len(runs)  # noqa: E731
+        table.append({"label": label, "seeds": sorted(r["seed"] for r in runs), "gain_mean": mean("gain"),
+                      "gain_se": _stderr(gains) if len(runs) > 1 else None, "after_mean": mean("after"),
+                      "reward_after": mean("reward_after"), "noise_change": mean("noise_change"),
+                      "seconds": mean("seconds"), "rollouts": mean("rollouts")})
+    base = next(r for r in table if r["label"] == base_label)
+    for row in table:
+        row["se_ok"] = row["gain_se"] is not None and row["gain_se"] <= max_se
+        row["diff_vs_baseline"] = row["gain_mean"] - base["gain_mean"]
+        if row is base or row["gain_se"] is None or base["gain_se"] is None:
+            row["significant"] = None
+        else:
+            se_diff = (row["gain_se"] ** 2 + base["gain_se"] ** 2) ** 0.5
+            row["significant"] = abs(row["diff_vs_baseline"]) > 2 * se_diff
+    table.sort(key=lambda r: -r["gain_mean"])
+    return table, base_label
+
+
+def format_rank_table(table: list[dict], baseline: str) -> str:
+    """The ranked table as markdown (percentage points for gains)."""
+    lines = [f"| rank | preset | seeds | held-out all gain (pts, mean +- SE) | after | held-out reward | "
+             f"background noise change | seconds | images | vs {baseline} |", "|" + "---|" * 10]
+    for i, r in enumerate(table, 1):
+        se = "n/a" if r["gain_se"] is None else f"{100 * r['gain_se']:.1f}" + ("" if r["se_ok"] else " (> 1.5)")
+        sig = ("baseline" if r["label"] == baseline else "n/a" if r["significant"] is None else
+               f"{100 * r['diff_vs_baseline']:+.1f} " + ("(> 2 SE)" if r["significant"] else "(within 2 SE)"))
+        lines.append(f"| {i} | {r['label']} | {len(r['seeds'])} | {100 * r['gain_mean']:+.1f} +- {se} | "
+                     f"{100 * r['after_mean']:.1f}% | {r['reward_after']:.3f} | {r['noise_change']:+.1f} | "
+                     f"{r['seconds']:.0f} | {r['rollouts']:.0f} | {sig} |")
+    return "\n".join(lines)

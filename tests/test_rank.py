@@ -1,0 +1,71 @@
+"""`flowrl rank`: the ranked preset table by hand (mean gain +- standard error over seeds, significance against the
+baseline at two standard errors of the difference), and `flowrl compare --band se`."""
+
+import json
+import math
+
+import pytest
+import yaml
+
+from flowrl.cli import main
+
+
+def _run(root, label, seed, before, after, noise=(5.0, 6.0), seconds=400.0, rollouts=3840):
+    rd = root / f"{label}-seed{seed}"
+    rd.mkdir(parents=True)
+    (rd / "config.yaml").write_text(yaml.safe_dump({"train": {"seed": seed}, "algorithm": {"name": "flow_grpo"},
+                                                    "log": {"run_name": rd.name}}))
+    (rd / "eval.json").write_text(json.dumps({
+        "before": {"all": before, "reward": 0.87, "background_noise": noise[0]},
+        "after": {"all": after, "reward": 0.9, "background_noise": noise[1]}}))
+    rows = [{"iteration": i, "seconds_cum": seconds * (i + 1) / 2, "rollouts_cum": rollouts * (i + 1) / 2,
+             "reward_mean/total": 0.8} for i in range(2)]
+    (rd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (rd / "eval_curve.jsonl").write_text("".join(json.dumps({"iteration": i, "all": before + i * (after - before),
+                                                             "reward": 0.9, "seconds_cum": 100.0 * i,
+                                                             "rollouts_cum": 100 * i}) + "\n" for i in range(2)))
+    return rd
+
+
+def test_rank_table_by_hand(tmp_path, capsys):
+    runs = [_run(tmp_path, "base", s, 0.60, 0.60 + g) for s, g in enumerate((0.05, 0.07, 0.06))]
+    runs += [_run(tmp_path, "better", s, 0.60, 0.60 + g, noise=(5.0, 9.0)) for s, g in enumerate((0.10, 0.12, 0.11))]
+    runs += [_run(tmp_path, "noisy", s, 0.60, 0.60 + g) for s, g in enumerate((0.06, 0.0, 0.12))]
+    runs += [_run(tmp_path, "single", 0, 0.60, 0.70)]
+    assert main(["rank", *map(str, runs), "--out", str(tmp_path / "rank")]) == 0
+    text = capsys.readouterr().out
+    from flowrl.report import rank_runs
+
+    table, base = rank_runs(runs)
+    assert base == "base"
+    rows = {r["label"]: r for r in table}
+    assert [r["label"] for r in table] == ["better", "single", "base", "noisy"]  # by mean gain (noisy ties base)
+    se = 0.01 / math.sqrt(3)  # gains 5, 7, 6 points: sample std 1 point
+    assert rows["base"]["gain_mean"] == pytest.approx(0.06) and rows["base"]["gain_se"] == pytest.approx(se)
+    assert rows["better"]["diff_vs_baseline"] == pytest.approx(0.05)
+    assert rows["better"]["significant"] is True  # 5 points > 2 x sqrt(2) x 0.577 = 1.63
+    assert rows["noisy"]["gain_se"] == pytest.approx(0.06 / math.sqrt(3)) and not rows["noisy"]["se_ok"]
+    assert rows["noisy"]["significant"] is False
+    assert rows["single"]["gain_se"] is None and rows["single"]["significant"] is None
+    assert rows["better"]["noise_change"] == pytest.approx(4.0) and rows["base"]["seconds"] == pytest.approx(400.0)
+    assert "| 1 | better | 3 | +11.0 +- 0.6 | 71.0% | 0.900 | +4.0 | 400 | 3840 | +5.0 (> 2 SE) |" in text
+    assert "| 4 | noisy | 3 | +6.0 +- 3.5 (> 1.5) |" in text and "+0.0 (within 2 SE) |" in text
+    assert (tmp_path / "rank" / "rank.md").read_text().strip() == text.strip()
+
+
+def test_rank_needs_finished_runs(tmp_path, capsys):
+    rd = _run(tmp_path, "x", 0, 0.6, 0.7)
+    data = json.loads((rd / "eval.json").read_text())
+    del data["after"]
+    (rd / "eval.json").write_text(json.dumps(data))
+    assert main(["rank", str(rd)]) != 0
+    assert "no eval.json with 'before' and 'after'" in capsys.readouterr().err
+
+
+def test_compare_band_se(tmp_path, capsys):
+    runs = [_run(tmp_path, "base", s, 0.60, 0.60 + g) for s, g in enumerate((0.05, 0.07, 0.06))]
+    assert main(["compare", *map(str, runs), "--metric", "heldout/all", "--band", "se", "--out",
+                 str(tmp_path / "cmp")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (tmp_path / "cmp" / "compare.png").stat().st_size > 0
+    assert out["summary"][0]["final_mean"] == pytest.approx(0.66)
