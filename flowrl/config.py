@@ -588,7 +588,7 @@ def validate(cfg: Config) -> None:
                                        ("train.attention_backend", cfg.train.attention_backend == "flash", "flash_attn",
                                         "flash-attn")):
         if value and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"{key}: needs the {extra} package (pip install 'flowrl[{extra}]' or pip install "
+            raise ConfigError(f"{key}: needs the {extra} package (pip install 'flowrl-tree[{extra}]' or pip install "
                               f"{extra}); or set it back to its default")
     if cfg.train.grpo_guard and cfg.sampler.kernel != "flow_grpo":
         raise ConfigError(f"train.grpo_guard: GRPO-Guard normalises Flow-SDE transitions; set sampler.kernel=flow_grpo "
