@@ -403,7 +403,7 @@ class Trainer:
         if not use_async:  # the scoring ran inside the rollout loop
             t_rollout -= scored
         if self.procs.distributed:  # every process gets every batch's tree and scores, in batch order
-            dev = trees[0].latents[0].device
+            dev = self.adapter.device  # (a process may hold no batch when an iteration has fewer prompts)
             parts = self.procs.gather([(j, t.to("cpu"), r[0]) for j, t, r in zip(mine, trees, results)])
             parts.sort(key=lambda part: part[0])
             trees = [t.to(dev) for _, t, _ in parts]
