@@ -10,6 +10,9 @@ The scheme keeps a multi-process run equal to a one-process run on the same seed
   zero-variance counts and curricula see all of it;
 - each minibatch's work items are dealt round-robin; gradients are summed over processes once per optimizer step
   (each process's loss is already divided by the whole minibatch's rows), so the step equals one process's;
+- held-out evaluations and sample grids: each process samples a contiguous share of the prompts and every
+  process reads every image (:class:`ShardedSampler`); the main process's numbers are broadcast, so early
+  stopping is decided alike everywhere;
 - only the main process writes metrics, grids, checkpoints and tracker logs.
 """
 
@@ -75,6 +78,25 @@ class Processes:
             p.grad = flat[offset: offset + n].view_as(p).to(p.dtype)
             offset += n
 
+
+
+class ShardedSampler:
+    """A sampler (``sampler(prompts, seeds)`` -> prompt-major images) whose prompts are split into contiguous
+    shares, one per process; every process gets every image, in order. Every process must call it alike (the
+    held-out evaluations and sample grids run on all of them); one image depends only on its prompt and seed."""
+
+    def __init__(self, sampler, procs: Processes):
+        self.sampler, self.procs = sampler, procs
+
+    def __getattr__(self, name):  # the wrapped sampler's settings (sigmas, guidance, adapter, ...)
+        return getattr(self.sampler, name)
+
+    def __call__(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
+        n, world, rank = len(prompts), self.procs.world, self.procs.rank
+        bounds = [round(i * n / world) for i in range(world + 1)]
+        mine = prompts[bounds[rank]: bounds[rank + 1]]
+        images = self.sampler(mine, seeds).cpu() if mine else None  # (len(mine) * S, ...) prompt-major
+        return torch.cat([part for part in self.procs.gather([images]) if part is not None])
 
 
 def check_launch(accelerator) -> None:

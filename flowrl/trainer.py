@@ -80,6 +80,10 @@ class Trainer:
         # ODE sampling on the rollout grid (AdaGRPO's anchors) and on the evaluation grid (grids, held-out)
         self.rollout_sampler = Sampler(cfg, self.adapter, num_steps=cfg.sampler.num_steps)
         self.eval_sampler = Sampler(cfg, self.adapter)
+        if self.procs.distributed:  # held-out evaluations and grids: each process samples a share of the prompts
+            from .distributed import ShardedSampler
+
+            self.eval_sampler = ShardedSampler(self.eval_sampler, self.procs)
         self.sigmas, self.negative = self.rollout_sampler.sigmas, self.rollout_sampler.negative
         self.context = AlgorithmContext(self.prompts, self.rewards, self.rollout_sampler)
         if resume_ckpt is not None:
@@ -190,11 +194,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ evaluation
     def evaluate(self, when: str) -> dict:
         """The held-out evaluation (log.eval) of the (EMA) policy, written to eval.json, and a before | after
-        grid of the evaluator's chosen samples. The main process evaluates; the others return {}."""
-        if not self.procs.is_main:
-            return {}
+        grid of the evaluator's chosen samples. Every process samples its share; the main process writes."""
         with self.policy.ema_weights():
             result, grid, labels = self.evaluator(self.eval_sampler, self.cfg.log.eval_seeds, grid=True)
+        if not self.procs.is_main:
+            return result
         path = self.run_dir / "eval.json"
         data = json.loads(path.read_text()) if path.is_file() else {}
         data[when] = result
@@ -222,11 +226,9 @@ class Trainer:
         cfg = self.cfg
         if self.evaluator is None or not cfg.log.eval_every:
             return None
-        result = None
-        if self.procs.is_main:  # the main process evaluates; every process takes the same decisions from it
-            with self.policy.ema_weights():
-                result = self.evaluator(self.eval_sampler, cfg.log.eval_seeds[: cfg.log.eval_curve_seeds])
-        result = self.procs.broadcast(result)
+        with self.policy.ema_weights():  # every process samples its share of the prompts and reads every image
+            result = self.evaluator(self.eval_sampler, cfg.log.eval_seeds[: cfg.log.eval_curve_seeds])
+        result = self.procs.broadcast(result)  # the main process's numbers decide everywhere
         value = result.get(cfg.log.best_metric)
         if not isinstance(value, (int, float)):
             numbers = sorted(k for k, v in result.items() if isinstance(v, (int, float)))
@@ -630,12 +632,12 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ outputs
     def sample_grid(self, it: int) -> Path | None:
         cfg = self.cfg
-        if not self.procs.is_main:
-            return None
         prompts = cfg.data.sample_prompts or self.prompts.prompts[:4]
         seeds = cfg.data.sample_seeds
         with self.policy.ema_weights():
             images = self.eval_sampler(prompts, seeds)
+        if not self.procs.is_main:
+            return None
         return report.save_grid(images, len(seeds), self.run_dir / "samples" / f"iter_{it:05d}.png", row_labels=prompts,
                                 title=f"iteration {it} (ODE, {cfg.sampler.eval_num_steps} steps; seeds {seeds})")
 

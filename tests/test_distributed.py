@@ -37,11 +37,18 @@ def _train(tmp_path, name: str, processes: int, config: str, *overrides: str) ->
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+def _rows_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def _rows(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return _rows_of(run / "metrics.jsonl")
 
 
-@pytest.mark.parametrize("config,extra", [("tiny_flow_grpo.yaml", ["train.prompts_per_iter=4"]),
+EVAL = ["log.eval=shapes", "log.eval_seeds=[0,1]", "log.eval_every=1", "log.eval_curve_seeds=1"]
+
+
+@pytest.mark.parametrize("config,extra", [("tiny_flow_grpo.yaml", ["train.prompts_per_iter=4", *EVAL]),
                                           ("tiny_branch_grpo.yaml", ["train.prompts_per_iter=2",
                                                                      "algorithm.width_pruning=parent_top1"])])
 def test_two_processes_equal_one(tmp_path, config, extra):
@@ -65,8 +72,18 @@ def test_two_processes_equal_one(tmp_path, config, extra):
     # small fraction of one step (lr = 1e-2): measured 1.4e-6 (Flow-GRPO) and 1.1e-5 (BranchGRPO); a wrong
     # gradient (a missing share, a doubled sum) already fails on grad_norm above.
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 5e-5
-    # one process writes: one metrics row per iteration, one checkpoint, one config
-    assert sorted(p.name for p in (tmp_path / "two/checkpoints").iterdir()) == ["iter_00001"]
+    if "log.eval=shapes" in extra:  # held-out evaluations sampled in shares by the two processes
+        ea, eb = (json.loads((tmp_path / n / "eval.json").read_text()) for n in ("one", "two"))
+        for when in ("before", "after"):
+            assert ea[when]["images"] == eb[when]["images"] == 48
+            assert ea[when]["all"] == eb[when]["all"]
+            assert eb[when]["reward"] == pytest.approx(ea[when]["reward"], abs=1e-6)
+        ca, cb = (_rows_of(tmp_path / n / "eval_curve.jsonl") for n in ("one", "two"))
+        assert [r["iteration"] for r in ca] == [r["iteration"] for r in cb] == [0, 1, 2]
+        assert [r["all"] for r in ca] == [r["all"] for r in cb]
+    # one process writes: one metrics row per iteration, the same checkpoints as one process
+    listing = [sorted(p.name for p in (tmp_path / n / "checkpoints").iterdir()) for n in ("one", "two")]
+    assert listing[0] == listing[1] and "iter_00001" in listing[1]
 
 
 def test_more_processes_than_rollout_batches_is_refused_in_one_line(tmp_path):
