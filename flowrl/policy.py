@@ -71,8 +71,8 @@ class Policy:
         configure_update_path(transformer, t)
         self.optimizer = make_optimizer(self.params, t, device)
         if self.accelerator.num_processes > 1:
-            # Several processes: no DDP wrapper. Processes run different numbers of forwards (their rollout batches,
-            # the main process's evaluations) and flowrl.distributed sums the gradients once per optimizer step, so
+            # Several processes: no DDP wrapper. Processes run different numbers of forwards (their rollout batches
+            # and work items differ in count and size) and flowrl.distributed sums the gradients once per step, so
             # the transformer stays a plain module and only its trainable weights are made equal at the start.
             from .distributed import check_launch, sync_parameters
 
