@@ -282,7 +282,8 @@ def cmd_pretrain_tiny_video(args) -> int:
     pretrain_tiny_video(args.work_dir, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                         save_every=args.save_every, eval_every=args.eval_every, export_dir=args.export_dir,
                         decay_from=args.decay_from, lr_final=args.lr_final, shift=args.shift,
-                        init_from=args.init_from, motion_weight=args.motion_weight)
+                        init_from=args.init_from, motion_weight=args.motion_weight,
+                        patch_size=tuple(args.patch_size) if args.patch_size else None)
     return 0
 
 
@@ -429,6 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(<work-dir>/state), e.g. after changing the tokenizer; its text encoder too when the shapes match")
     pv.add_argument("--motion-weight", type=float, default=0.0,
                     help="extra weight on the frame-to-frame differences of the flow-matching target")
+    pv.add_argument("--patch-size", type=_positive_int, nargs=3, metavar=("T", "H", "W"),
+                    help="the transformer's patch (default 1 4 4); 4 4 4 puts the four frames in every token")
     pv.set_defaults(func=cmd_pretrain_tiny_video)
     sr = sub.add_parser("serve-reward", help="serve a reward over HTTP (POST /score) for the `remote` reward")
     sr.add_argument("name", help="registered reward name or module:function")

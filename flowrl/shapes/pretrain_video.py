@@ -74,7 +74,8 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
                         lr: float = 1e-3, seed: int = 0, ema_decay: float = 0.999, caption_dropout: float = 0.1,
                         save_every: int = 250, eval_every: int = 1000, export_dir: str | Path | None = None,
                         progress: bool = True, decay_from: int | None = None, lr_final: float = 0.1,
-                        shift: float = 1.0, init_from: str | Path | None = None, motion_weight: float = 0.0) -> Path:
+                        shift: float = 1.0, init_from: str | Path | None = None, motion_weight: float = 0.0,
+                        patch_size: tuple[int, int, int] | None = None) -> Path:
     from diffusers.training_utils import EMAModel
 
     from .video_model import MOVING_SHAPES_TINY, build_tiny_moving_shapes_pipeline
@@ -83,7 +84,9 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
     torch.manual_seed(seed)
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    pipe = build_tiny_moving_shapes_pipeline(seed=seed)
+    # patch_size (4, 4, 4): every token holds the four frames in order. With the default (1, 4, 4) the direction
+    # word was never learned; with (4, 4, 4) motion rose from 25% to 99% between steps 13,000 and 16,000 (README)
+    pipe = build_tiny_moving_shapes_pipeline(seed=seed, patch_size=patch_size)
     # The time shift moves training sigmas (and the sampling grid) toward high noise, where the clip's layout and
     # path are decided: with SD3's logit-normal(0, 1) alone only 1.4% of the draws have sigma > 0.9.
     pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
@@ -157,7 +160,8 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
             "transformer_params": sum(p.numel() for p in pipe.transformer.parameters()),
             "text_encoder_params": sum(p.numel() for p in pipe.text_encoder.parameters()),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "config": {**MOVING_SHAPES_TINY, "resolution": RESOLUTION, "num_frames": FRAMES},
+            "config": {**MOVING_SHAPES_TINY, "patch_size": tuple(pipe.transformer.config.patch_size),
+                       "resolution": RESOLUTION, "num_frames": FRAMES},
             "heldout_readout": readout}
     out = Path(export_dir) if export_dir else assets_dir() / "tiny_moving_shapes"
     export_model(pipe, out, meta, COMPONENTS)

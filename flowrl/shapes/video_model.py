@@ -37,7 +37,7 @@ def build_moving_shapes_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
-def build_tiny_moving_shapes_pipeline(seed: int = 0):
+def build_tiny_moving_shapes_pipeline(seed: int = 0, patch_size: tuple[int, int, int] | None = None):
     """The embedded video model's architecture, randomly initialised: a pixel-space (no VAE) Wan 2.1 transformer
     and a tiny UMT5 encoder with the domain tokenizer; flow-matching scheduler with shift 1."""
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
@@ -51,7 +51,7 @@ def build_tiny_moving_shapes_pipeline(seed: int = 0):
                                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                                                decoder_start_token_id=tokenizer.pad_token_id))
     transformer = WanTransformer3DModel(
-        patch_size=c["patch_size"], num_attention_heads=c["num_attention_heads"],
+        patch_size=tuple(patch_size or c["patch_size"]), num_attention_heads=c["num_attention_heads"],
         attention_head_dim=c["attention_head_dim"], in_channels=3, out_channels=3, text_dim=c["text_dim"],
         freq_dim=64, ffn_dim=c["ffn_dim"], num_layers=c["num_layers"], rope_max_seq_len=64)
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=None,
