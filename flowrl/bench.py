@@ -10,6 +10,7 @@ import time
 import torch
 
 from .engine import rollout
+from .sampling import synchronize
 
 
 def _time_rollout(trainer, plan, cond, max_batch: int, repeats: int) -> tuple[float, int]:
@@ -21,8 +22,7 @@ def _time_rollout(trainer, plan, cond, max_batch: int, repeats: int) -> tuple[fl
         tree = rollout(trainer.adapter, cond, plan, trainer.sigmas, trainer.latent_shape, kernel=cfg.sampler.kernel,
                        noise_level=cfg.sampler.noise_level, generator=gen, max_batch=max_batch,
                        guidance_scale=cfg.sampler.guidance_scale, negative=trainer.negative)
-        if trainer.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(trainer.device)
         best = min(best, time.perf_counter() - t0)
         calls = tree.transformer_calls
     return best, calls
@@ -39,8 +39,7 @@ class TransformerClock:
         self.forward_calls = 0
 
     def _sync(self):
-        if self.trainer.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(self.trainer.device)
 
     def __enter__(self):
         module = self.trainer.policy.module

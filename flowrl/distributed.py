@@ -56,6 +56,17 @@ class Processes:
 
         return broadcast_object_list([obj])[0]
 
+    def gather_rows(self, *columns: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Per-row statistics of an update from every process: each column (a list of tensors) becomes every
+        process's rows, one CPU tensor per process that has any."""
+        if not self.distributed:
+            return [list(c) for c in columns]
+        return [[torch.cat(part) for part in self.gather([[t.cpu() for t in c]]) if part] for c in columns]
+
+    def sum(self, value: float) -> float:
+        """``value`` summed over processes."""
+        return sum(self.gather([value])) if self.distributed else value
+
     def any(self, flag: bool) -> bool:
         """True on every process when ``flag`` is true on any (e.g. a SIGTERM that reached one process)."""
         return any(self.gather([bool(flag)])) if self.distributed else bool(flag)
@@ -70,13 +81,8 @@ class Processes:
         if not self.distributed:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
-        offset = 0
-        for p, g in zip(params, grads):
-            n = g.numel()
-            p.grad = flat[offset: offset + n].view_as(p).to(p.dtype)
-            offset += n
+        for p, g in zip(params, _flat_collective(grads, torch.distributed.all_reduce)):
+            p.grad = g.to(p.dtype)
 
 
 
@@ -87,9 +93,6 @@ class ShardedSampler:
 
     def __init__(self, sampler, procs: Processes):
         self.sampler, self.procs = sampler, procs
-
-    def __getattr__(self, name):  # the wrapped sampler's settings (sigmas, guidance, adapter, ...)
-        return getattr(self.sampler, name)
 
     def __call__(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
         n, world, rank = len(prompts), self.procs.world, self.procs.rank
@@ -112,12 +115,16 @@ def check_launch(accelerator) -> None:
                           f"{kind.value} is not supported yet; launch with configs/accelerate/multi_gpu.yaml")
 
 
+def _flat_collective(tensors: list[torch.Tensor], collective) -> list[torch.Tensor]:
+    """``collective`` (in place) on all ``tensors`` as one flattened buffer; returns views of the result shaped
+    like the inputs."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    collective(flat)
+    return [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
 @torch.no_grad()
 def sync_parameters(params: list[torch.nn.Parameter]) -> None:
     """The main process's values of ``params`` on every process (one flattened broadcast)."""
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    torch.distributed.broadcast(flat, src=0)
-    offset = 0
-    for p in params:
-        p.copy_(flat[offset: offset + p.numel()].view_as(p))
-        offset += p.numel()
+    for p, value in zip(params, _flat_collective(params, lambda flat: torch.distributed.broadcast(flat, src=0))):
+        p.copy_(value)

@@ -342,19 +342,10 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
     """Run ``plan`` for every prompt row of ``cond`` (P prompts) and return the tree; each round's live nodes go
     through the transformer in calls of at most ``max_batch``. ``options``: those of :func:`rollout_rounds`
     (kernel, noise_level, generator, initial_noise, roots, ...)."""
-    rounds = rollout_rounds(cond.embeds.shape[0], adapter.device, plan, sigmas, latent_shape, **options)
-    calls = 0
-    try:
-        request = next(rounds)
-        while True:
-            x, sig, rows = request
-            v, n = velocity_batched(adapter, x, sig, cond, rows, max_batch, guidance_scale, negative)
-            calls += n
-            request = rounds.send(v)
-    except StopIteration as done:
-        tree = done.value
-    tree.transformer_calls = calls
-    return tree
+    generator = options.pop("generator")
+    return packed_rollouts(adapter, cond, [(0, cond.embeds.shape[0], generator)], plan, sigmas, latent_shape,
+                           stagger=0, max_batch=max_batch, guidance_scale=guidance_scale, negative=negative,
+                           **options)[0]
 
 
 @torch.no_grad()

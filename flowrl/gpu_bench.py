@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .models.common import PromptEmbeds
+from .sampling import peak_memory_mb, synchronize
 
 # The published architecture configs (the checkpoints' transformer/config.json), without weights.
 SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
@@ -96,15 +97,6 @@ def _cond(model: BenchModel, n: int, tiny: bool) -> PromptEmbeds:
     return PromptEmbeds(embeds, pooled)
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _peak_mb(device) -> float:
-    return torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else 0.0
-
-
 def update_step(model: BenchModel, px: int, batch: int, tiny: bool, *, fused_adamw: bool, checkpointing: bool,
                 repeats: int = 3, count_flops: bool = True) -> dict:
     """One LoRA GRPO update on ``batch`` edges at ``px``: forward, per-edge objective, backward, AdamW step."""
@@ -142,13 +134,13 @@ def update_step(model: BenchModel, px: int, batch: int, tiny: bool, *, fused_ada
     one()  # warm-up (and compilation, where the blocks are compiled)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    _sync(dev)
+    synchronize(dev)
     t0 = time.perf_counter()
     for _ in range(repeats):
         one()
-    _sync(dev)
+    synchronize(dev)
     seconds = (time.perf_counter() - t0) / repeats
-    return {"seconds": seconds, "flops": flops, "images_per_s": batch / seconds, "peak_memory_mb": _peak_mb(dev)}
+    return {"seconds": seconds, "flops": flops, "images_per_s": batch / seconds, "peak_memory_mb": peak_memory_mb(dev)}
 
 
 def _count_flops(fn) -> int:
@@ -181,14 +173,14 @@ def rollout_time(model: BenchModel, px: int, prompts: int, tiny: bool, tree: boo
                            generator=gen, max_batch=64)
 
     one()
-    _sync(dev)
+    synchronize(dev)
     t0 = time.perf_counter()
     t = one()
-    _sync(dev)
+    synchronize(dev)
     seconds = time.perf_counter() - t0
     leaves = int(t.leaf_group.numel())
     return {"seconds": seconds, "nfe": t.nfe, "transformer_calls": t.transformer_calls, "leaves": leaves,
-            "images_per_s": leaves / seconds, "peak_memory_mb": _peak_mb(dev)}
+            "images_per_s": leaves / seconds, "peak_memory_mb": peak_memory_mb(dev)}
 
 
 def run_gpu_bench(families=("sd35m", "flux1"), resolutions=(512, 1024), batch: int = 4, prompts: int = 2,

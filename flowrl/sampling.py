@@ -20,6 +20,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), so that a wall clock can time it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20

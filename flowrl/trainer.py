@@ -32,7 +32,7 @@ from .checkpoint import (
 )
 from .config import Config
 from .distributed import Processes
-from .engine import Tree, kernel_options, packed_rollouts, rollout
+from .engine import Tree, kernel_options, packed_rollouts
 from .errors import ConfigError, FlowRLError, Stopped
 from .losses import gaussian_kl_same_std, guard_log_ratio, kl_std, ppo_clip_loss
 from .models import load_adapter
@@ -54,8 +54,8 @@ class Trainer:
         self.procs = Processes(self.device)
         if self.procs.world > cfg.sampler.rollout_batches:
             raise ConfigError(f"sampler.rollout_batches={cfg.sampler.rollout_batches}: {self.procs.world} processes each "
-                              f"roll out whole prompt batches; set sampler.rollout_batches to a multiple of "
-                              f"{self.procs.world} (e.g. sampler.rollout_batches={self.procs.world})")
+                              f"roll out whole prompt batches; set sampler.rollout_batches to at least "
+                              f"{self.procs.world} (a multiple of it keeps the processes evenly loaded)")
         # --- everything that can fail on bad input happens before a model loads or the run folder is touched
         self.prompts = PromptSource.from_config(cfg.data, cfg.train.seed, cfg.model)
         self.rewards = build_reward_set(cfg.rewards)
@@ -381,21 +381,15 @@ class Trainer:
             pending[j] = self._reward_pool.submit(score, images, rows) if use_async else score(images, rows)
             trees[j] = part
 
-        if cfg.sampler.pack_rollouts and len(mine) > 1:  # my batches staggered through shared transformer calls
-            start = time.perf_counter()
-            stagger = cfg.sampler.pack_stagger or math.ceil(plan.num_steps / len(mine))
-            packed_rollouts(self.adapter, cond, [(bounds[j], bounds[j + 1], gens[j]) for j in mine], plan,
-                            self.sigmas, self.latent_shape, stagger=stagger, roots=roots,
-                            on_done=lambda n, part: done(mine[n], part), **options)
-            t_rollout = time.perf_counter() - start  # includes the decodes; the scoring overlaps where async
-        for j in [] if trees else mine:
-            a, b = bounds[j], bounds[j + 1]
-            start = time.perf_counter()
-            idx = torch.arange(a, b)
-            part = rollout(self.adapter, cond.index(idx.to(cond.embeds.device)), plan, self.sigmas, self.latent_shape,
-                           generator=gens[j], roots=roots[a:b] if roots else None, **options)
-            done(j, part)
-            t_rollout += time.perf_counter() - start
+        # My batches through one driver: packed, each starts `stagger` rounds after the one before and shares its
+        # calls; unpacked, each starts when the one before has finished (a stagger no plan reaches).
+        stagger = (cfg.sampler.pack_stagger or math.ceil(plan.num_steps / max(len(mine), 1))
+                   if cfg.sampler.pack_rollouts else sys.maxsize)
+        start = time.perf_counter()
+        packed_rollouts(self.adapter, cond, [(bounds[j], bounds[j + 1], gens[j]) for j in mine], plan, self.sigmas,
+                        self.latent_shape, stagger=stagger, roots=roots, on_done=lambda n, part: done(mine[n], part),
+                        **options)
+        t_rollout = time.perf_counter() - start  # with the decodes (and the scoring, taken off below where sync)
         trees = [trees[j] for j in mine]
         pending = [pending[j] for j in mine]
         start = time.perf_counter()
@@ -542,11 +536,9 @@ class Trainer:
                 stats["optimizer_steps"] += 1
                 if self.policy.ema is not None and stats["optimizer_steps"] % cfg.train.ema.update_every == 0:
                     self.policy.ema.step(self.policy.params)
-        if self.procs.distributed:  # every process's rows, so the statistics are the whole update's
-            ratios, clipped, approx, kls, pls, steps = (
-                [torch.cat(part) for part in self.procs.gather([[t.cpu() for t in x]]) if part]
-                for x in (ratios, clipped, approx, kls, pls, steps))
-            stats["nfe_train"] = sum(self.procs.gather([stats["nfe_train"]]))
+        # every process's rows, so the statistics are the whole update's
+        ratios, clipped, approx, kls, pls, steps = self.procs.gather_rows(ratios, clipped, approx, kls, pls, steps)
+        stats["nfe_train"] = self.procs.sum(stats["nfe_train"])
         r = torch.cat(ratios).cpu()
         d = torch.cat(steps)
         stats.update({
@@ -618,10 +610,8 @@ class Trainer:
                 stats["optimizer_steps"] += 1
                 if policy.ema is not None and stats["optimizer_steps"] % cfg.train.ema.update_every == 0:
                     policy.ema.step(policy.params)
-        if self.procs.distributed:
-            losses, kls, gaps = ([torch.cat(part) for part in self.procs.gather([[t.cpu() for t in x]]) if part]
-                                 for x in (losses, kls, gaps))
-            stats["nfe_train"] = sum(self.procs.gather([stats["nfe_train"]]))
+        losses, kls, gaps = self.procs.gather_rows(losses, kls, gaps)
+        stats["nfe_train"] = self.procs.sum(stats["nfe_train"])
         stats.update({"policy_loss": float(torch.cat(losses).mean()), "kl_loss": float(torch.cat(kls).mean()),
                       "grad_norm": sum(grad_norms) / len(grad_norms), "mean_abs_log_ratio": 0.0,
                       "old_policy_gap": float(torch.cat(gaps).mean())})  # mean (v - v_old)^2: how far the old lags
