@@ -283,6 +283,7 @@ def cmd_pretrain_tiny_video(args) -> int:
                         save_every=args.save_every, eval_every=args.eval_every, export_dir=args.export_dir,
                         decay_from=args.decay_from, lr_final=args.lr_final, shift=args.shift,
                         init_from=args.init_from, motion_weight=args.motion_weight,
+                        high_noise_expert=args.high_noise_expert, boundary=args.boundary,
                         patch_size=tuple(args.patch_size) if args.patch_size else None)
     return 0
 
@@ -315,6 +316,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _unit_interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must lie strictly between 0 and 1")
     return value
 
 
@@ -427,11 +438,15 @@ def build_parser() -> argparse.ArgumentParser:
     pv.add_argument("--shift", type=float, default=1.0, help="time shift of the training sigmas and the exported "
                     "scheduler (3 puts more training at high noise, where the layout is decided)")
     pv.add_argument("--init-from", help="warm start: the transformer of an earlier run's state folder "
-                    "(<work-dir>/state), e.g. after changing the tokenizer; its text encoder too when the shapes match")
+                    "(<work-dir>/state) or exported model folder; its text encoder too when the shapes match")
     pv.add_argument("--motion-weight", type=float, default=0.0,
                     help="extra weight on the frame-to-frame differences of the flow-matching target")
     pv.add_argument("--patch-size", type=_positive_int, nargs=3, metavar=("T", "H", "W"),
                     help="the transformer's patch (default 1 4 4); 4 4 4 puts the four frames in every token")
+    pv.add_argument("--high-noise-expert", help="an exported model folder: train a Wan 2.2-style low-noise expert "
+                    "for it (sigmas below --boundary, its text encoder frozen) and export the two-expert model")
+    pv.add_argument("--boundary", type=_unit_interval, default=0.875, help="the two experts' boundary in sigma (Wan "
+                    "2.2 text-to-video: 0.875)")
     pv.set_defaults(func=cmd_pretrain_tiny_video)
     sr = sub.add_parser("serve-reward", help="serve a reward over HTTP (POST /score) for the `remote` reward")
     sr.add_argument("name", help="registered reward name or module:function")

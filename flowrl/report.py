@@ -128,14 +128,15 @@ def plot_reward_curve(run_dir: Path) -> Path | None:
         ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color="C2", label="full evaluation")
         curve = read_metrics(run_dir / "eval_curve.jsonl")
         if curve:  # the periodic points use fewer seeds: noisier, drawn thinner
-            n = curve[0].get("images", 0)
+            unit = "videos" if "videos" in curve[0] else "images"
             ax.plot([c["iteration"] for c in curve], [100 * c["all"] for c in curve], ".--", color="C4", lw=1,
-                    label=f"every log.eval_every ({n} images)")
+                    label=f"every log.eval_every ({curve[0].get(unit, 0)} {unit})")
             ax.legend(fontsize=7)
         for x, y in points:
             ax.annotate(f"{y:.1f}%", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
         ax.margins(x=0.1, y=0.3)
-        ax.set_title("held-out accuracy, all three (ODE)")
+        attributes = "all four" if any("motion" in v for v in evals.values()) else "all three"  # video: + motion
+        ax.set_title(f"held-out accuracy, {attributes} (ODE)")
         ax.set_xlabel("iteration")
         ax.set_ylabel("%")
         ax.grid(alpha=0.3)

@@ -91,6 +91,8 @@ def export_model(pipe, out_dir: Path, meta: dict, components: tuple[str, ...] = 
         module.to(torch.float16).save_pretrained(str(tmp / name), safe_serialization=True)
         module.to(torch.float32)
     pipe.scheduler.save_pretrained(str(tmp / "scheduler"))
+    if pipe.config.get("boundary_ratio") is not None:  # a two-expert (Wan 2.2) pipeline: its boundary with it
+        (tmp / "model_index.json").write_text(json.dumps({"boundary_ratio": pipe.config["boundary_ratio"]}))
     (tmp / "pretrain.json").write_text(json.dumps(meta, indent=1))
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)

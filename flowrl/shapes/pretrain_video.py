@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import FlowRLError
 from ..resources import assets_dir
 from .moving import FRAMES, RESOLUTION, heldout_prompts, render_video, split_specs
 from .pretrain import _load_state, _save_state, export_model, lr_factor, noised, optimizer_step
@@ -70,15 +71,68 @@ def _same_shapes(module: torch.nn.Module, path: Path) -> bool:
         return all(own.get(k) == tuple(fh.get_slice(k).get_shape()) for k in fh.keys())
 
 
+def training_sigmas(batch: int, shift: float, gen: torch.Generator, below: float | None = None) -> torch.Tensor:
+    """(B,) training sigmas: SD3's logit-normal(0, 1), then the time shift; with ``below``, drawn again until every
+    sigma lies under it (a low-noise expert learns only its own range, as Wan 2.2's do)."""
+    def draw(n):
+        sigma = torch.sigmoid(torch.randn(n, generator=gen))
+        return shift * sigma / (1 + (shift - 1) * sigma)
+
+    sigma = draw(batch)
+    while below is not None and bool((over := sigma >= below).any()):
+        sigma[over] = draw(int(over.sum()))
+    return sigma
+
+
+def _warm_start(pipe, source: Path, text: bool) -> None:
+    """The transformer (and with ``text`` the text encoder, when its shapes match) of a pretraining state folder
+    (``<work-dir>/state``) or of an exported one-transformer model folder."""
+    from safetensors.torch import load_model
+
+    from .video_model import load_tiny_moving_shapes_pipeline
+
+    if (source / "transformer.safetensors").is_file():  # a pretraining state folder
+        load_model(pipe.transformer, str(source / "transformer.safetensors"))
+        text_file = source / "text_encoder.safetensors"
+        if text and text_file.is_file() and _same_shapes(pipe.text_encoder, text_file):  # same tokenizer
+            load_model(pipe.text_encoder, str(text_file))
+    elif (source / "transformer" / "config.json").is_file():  # an exported model
+        exported = load_tiny_moving_shapes_pipeline(source)
+        want, got = tuple(pipe.transformer.config.patch_size), tuple(exported.transformer.config.patch_size)
+        if want != got:
+            raise FlowRLError(f"--init-from {source}: its transformer has patch {got}, this run's {want}; set "
+                              f"--patch-size {' '.join(map(str, got))} or start from another model")
+        pipe.transformer.load_state_dict(exported.transformer.state_dict())
+        if text:
+            pipe.text_encoder.load_state_dict(exported.text_encoder.state_dict())
+    else:
+        raise FlowRLError(f"--init-from {source}: neither a pretraining state folder (transformer.safetensors) nor "
+                          "an exported model folder (transformer/config.json)")
+
+
+def _two_experts(high, low_pipe, boundary: float):
+    """A Wan 2.2-style pipeline: ``high``'s transformer above ``boundary`` (x 1000 timesteps), ``low_pipe``'s below,
+    one text encoder (the high-noise expert's)."""
+    from diffusers import WanPipeline
+
+    return WanPipeline(tokenizer=high.tokenizer, text_encoder=high.text_encoder, vae=None, scheduler=high.scheduler,
+                       transformer=high.transformer, transformer_2=low_pipe.transformer, boundary_ratio=boundary)
+
+
 def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps: int = 6000, batch: int = 32,
                         lr: float = 1e-3, seed: int = 0, ema_decay: float = 0.999, caption_dropout: float = 0.1,
                         save_every: int = 250, eval_every: int = 1000, export_dir: str | Path | None = None,
                         progress: bool = True, decay_from: int | None = None, lr_final: float = 0.1,
                         shift: float = 1.0, init_from: str | Path | None = None, motion_weight: float = 0.0,
-                        patch_size: tuple[int, int, int] | None = None) -> Path:
+                        patch_size: tuple[int, int, int] | None = None, high_noise_expert: str | Path | None = None,
+                        boundary: float = 0.875) -> Path:
+    """With ``high_noise_expert`` (an exported model folder), train a Wan 2.2-style low-noise expert instead: the
+    transformer learns only sigmas below ``boundary`` and reads that model's text encoder, frozen, so that one
+    encoder serves both; the readouts and the export are the two-expert model (``transformer`` = the high-noise
+    expert as given, ``transformer_2`` = this one)."""
     from diffusers.training_utils import EMAModel
 
-    from .video_model import MOVING_SHAPES_TINY, build_tiny_moving_shapes_pipeline
+    from .video_model import MOVING_SHAPES_TINY, build_tiny_moving_shapes_pipeline, load_tiny_moving_shapes_pipeline
 
     work_dir = Path(work_dir)
     torch.manual_seed(seed)
@@ -90,15 +144,21 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
     # The time shift moves training sigmas (and the sampling grid) toward high noise, where the clip's layout and
     # path are decided: with SD3's logit-normal(0, 1) alone only 1.4% of the draws have sigma > 0.9.
     pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
-    if init_from is not None:  # warm start: an earlier pretraining state's transformer (the text side is new)
-        from safetensors.torch import load_model
-
-        load_model(pipe.transformer, str(Path(init_from) / "transformer.safetensors"))
-        text_file = Path(init_from) / "text_encoder.safetensors"
-        if text_file.is_file() and _same_shapes(pipe.text_encoder, text_file):  # same tokenizer: keep its encoder
-            load_model(pipe.text_encoder, str(text_file))
-    params = [p for name in COMPONENTS for p in getattr(pipe, name).parameters()]
-    for name in COMPONENTS:
+    components, high = COMPONENTS, None
+    if high_noise_expert is not None:
+        # Wan 2.2's layout: the high-noise expert decides the layout and the path (the temporal-patch model learns
+        # the direction), the low-noise expert draws the detail (the (1, 4, 4) layout learns the shapes). They
+        # share one text encoder: the high-noise expert's, which carries the direction.
+        high = load_tiny_moving_shapes_pipeline(high_noise_expert)
+        if getattr(high, "transformer_2", None) is not None:
+            raise FlowRLError(f"--high-noise-expert {high_noise_expert} is already a two-expert model; give a "
+                              "one-transformer export")
+        pipe.text_encoder = high.text_encoder.requires_grad_(False).eval()
+        components = ("transformer",)
+    if init_from is not None:  # warm start: an earlier pretraining state's or export's transformer
+        _warm_start(pipe, Path(init_from), text=high is None)
+    params = [p for name in components for p in getattr(pipe, name).parameters()]
+    for name in components:
         getattr(pipe, name).train().requires_grad_(True)
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
     ema = EMAModel(params, decay=ema_decay)
@@ -106,7 +166,7 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
     step, elapsed, commands = 0, 0.0, []
     state_dir = work_dir / "state"
     if (state_dir / "progress.json").is_file():
-        step, elapsed, commands = _load_state(state_dir, pipe, optimizer, ema, COMPONENTS)
+        step, elapsed, commands = _load_state(state_dir, pipe, optimizer, ema, components)
         print(f"resuming video pretraining at step {step} ({elapsed / 60:.1f} min so far)", file=sys.stderr)
     work_dir.mkdir(parents=True, exist_ok=True)
     command = ("flowrl pretrain-tiny-video " + " ".join(sys.argv[2:])).strip() \
@@ -123,8 +183,7 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
         prompts = ["" if rng.random() < caption_dropout else p for p in prompts]
         embeds = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=MAX_TOKENS,
                                     device="cpu")[0]  # (B, 16, text_dim), zero past each caption's tokens
-        sigma = torch.sigmoid(torch.randn(batch, generator=gen))  # SD3 logit-normal(0, 1), then the time shift
-        sigma = shift * sigma / (1 + (shift - 1) * sigma)
+        sigma = training_sigmas(batch, shift, gen, below=boundary if high is not None else None)
         x, target = noised(x0, sigma, gen)  # (B, 3, F, H, W)
         v = pipe.transformer(hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=embeds, return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(v, target)
@@ -132,18 +191,19 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
             loss = loss + motion_weight * torch.nn.functional.mse_loss(v.diff(dim=2), target.diff(dim=2))
         optimizer_step(loss, optimizer, params, ema, lr * lr_factor(step, steps, decay_from, lr_final))
         step += 1
-        loss_ema = float(loss) if loss_ema is None else 0.98 * loss_ema + 0.02 * float(loss)
+        loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
         bar.update(1)
         bar.set_postfix(loss=f"{loss_ema:.4f}")
         if step % save_every == 0 or step == steps:
-            _save_state(state_dir, pipe, optimizer, ema, step, time.perf_counter() - t_start, commands, COMPONENTS)
+            _save_state(state_dir, pipe, optimizer, ema, step, time.perf_counter() - t_start, commands, components)
         if step % eval_every == 0 or step == steps:
             ema.store(params)
             ema.copy_to(params)
-            readout = heldout_readout(pipe, grid_path=work_dir / "grids" / f"step_{step:06d}.png")
+            readout = heldout_readout(_two_experts(high, pipe, boundary) if high is not None else pipe,
+                                      grid_path=work_dir / "grids" / f"step_{step:06d}.png")
             ema.restore(params)
-            for name in COMPONENTS:
-                getattr(pipe, name).train()
+            for name in components:  # the readout's adapter froze the low-noise expert it does not train
+                getattr(pipe, name).train().requires_grad_(True)
             record = {"step": step, "minutes": round((time.perf_counter() - t_start) / 60, 1), "loss": loss_ema,
                       **{k: readout[k] for k in ("background", "color", "shape", "motion", "all")}}
             with open(work_dir / "progress.jsonl", "a") as fh:
@@ -156,7 +216,9 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
     meta = {"command": command, "commands": commands, "steps": steps, "batch": batch, "lr": lr,
             "decay_from": decay_from, "lr_final": lr_final, "seed": seed, "ema_decay": ema_decay,
             "caption_dropout": caption_dropout, "shift": shift, "motion_weight": motion_weight,
-            "init_from": str(init_from) if init_from else None, "wall_time_s": round(wall, 1), "final_loss_ema": loss_ema,
+            "init_from": str(init_from) if init_from else None,
+            "high_noise_expert": str(high_noise_expert) if high is not None else None,
+            "boundary_ratio": boundary if high is not None else None, "wall_time_s": round(wall, 1), "final_loss_ema": loss_ema,
             "transformer_params": sum(p.numel() for p in pipe.transformer.parameters()),
             "text_encoder_params": sum(p.numel() for p in pipe.text_encoder.parameters()),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -164,6 +226,9 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
                        "resolution": RESOLUTION, "num_frames": FRAMES},
             "heldout_readout": readout}
     out = Path(export_dir) if export_dir else assets_dir() / "tiny_moving_shapes"
-    export_model(pipe, out, meta, COMPONENTS)
+    if high is not None:
+        export_model(_two_experts(high, pipe, boundary), out, meta, ("transformer", "transformer_2", "text_encoder"))
+    else:
+        export_model(pipe, out, meta, COMPONENTS)
     print(json.dumps({"exported": str(out), "wall_time_min": round(wall / 60, 1), "loss": loss_ema}))
     return out

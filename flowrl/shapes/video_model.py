@@ -3,6 +3,7 @@ transformer and a tiny UMT5 encoder, built from its fixed config or loaded from 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -69,11 +70,17 @@ def load_tiny_moving_shapes_pipeline(path: str | Path | None = None):
         raise FlowRLError(f"the pretrained tiny video model is missing at {path}; run `flowrl pretrain-tiny-video` "
                           "to rebuild it")
     kw = {"torch_dtype": torch.float32}
+    # A Wan 2.2-style export has a low-noise expert (transformer_2) and the boundary in model_index.json
+    second, boundary = None, None
+    if (path / "transformer_2" / "config.json").is_file():
+        second = WanTransformer3DModel.from_pretrained(str(path / "transformer_2"), **kw)
+        boundary = json.loads((path / "model_index.json").read_text())["boundary_ratio"]
     pipe = WanPipeline(
         tokenizer=build_moving_shapes_tokenizer(),
         text_encoder=UMT5EncoderModel.from_pretrained(str(path / "text_encoder"), **kw), vae=None,
         scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(str(path / "scheduler")),
-        transformer=WanTransformer3DModel.from_pretrained(str(path / "transformer"), **kw))
+        transformer=WanTransformer3DModel.from_pretrained(str(path / "transformer"), **kw), transformer_2=second,
+        boundary_ratio=boundary)
     pipe.embedded_geometry = {"resolution": RESOLUTION, "num_frames": FRAMES}
     pipe.embedded_max_tokens = MOVING_SHAPES_TINY["max_tokens"]
     return pipe
