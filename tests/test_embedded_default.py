@@ -17,7 +17,7 @@ ASSETS = ROOT / "assets"
 
 def test_assets_fit_the_budget():
     total = sum(p.stat().st_size for p in ASSETS.rglob("*") if p.is_file())
-    assert total <= 30 * 2**20, f"assets are {total / 2**20:.1f} MiB"
+    assert total < 45 * 10**6, f"assets are {total / 10**6:.1f} MB; the budget is 45 MB"  # the issues' budget
     assert not list(ASSETS.rglob("*.bin")) and not list(ASSETS.rglob("*.pt")), "weights must be safetensors"
     meta = json.loads((ASSETS / "tiny_shapes" / "pretrain.json").read_text())
     assert meta["command"].startswith("flowrl pretrain-tiny") and meta["wall_time_s"] > 0
