@@ -125,12 +125,29 @@ def latest_checkpoint(run_dir: Path, quiet: bool = False) -> Path | None:
     return None
 
 
+def _ended_with_best(run_dir: Path) -> Path | None:
+    """checkpoints/best when the run ended with those weights (``log.keep_best`` restored them), so that a run
+    directory means the weights its 'after' evaluation measured; None otherwise."""
+    import json
+
+    try:
+        ended = json.loads((run_dir / "best.json").read_text()).get("ended_with", False)
+    except (OSError, ValueError):
+        return None
+    best = run_dir / "checkpoints" / "best"
+    return best if ended and best.is_dir() and checkpoint_problem(best) is None else None
+
+
 def find_checkpoint(path: str | Path, iteration: int | None = None) -> Path:
-    """A checkpoint folder, or a run directory's newest intact checkpoint (or the one saved after
-    ``iteration``); a damaged checkpoint is refused in one line that names the newest intact one."""
+    """A checkpoint folder, or a run directory's checkpoint: the best one when the run ended with it
+    (``log.keep_best``), else its newest intact one (or the one saved after ``iteration``); a damaged checkpoint
+    is refused in one line that names the newest intact one."""
     path = Path(path)
     if (path / "checkpoints").is_dir():
         if iteration is None:
+            ended_with = _ended_with_best(path)
+            if ended_with is not None:
+                return ended_with
             ckpt = latest_checkpoint(path)
             if ckpt is None:
                 raise FlowRLError(f"{path}: no intact checkpoint under {path}/checkpoints")

@@ -51,8 +51,9 @@ def cmd_train(args) -> int:
 
 
 def _checkpoint_and_config(args, default_config: Path | None = None):
-    """(checkpoint folder or None, config): a run directory means its latest checkpoint (or the one after
-    ``--iteration``), and the run's own config.yaml is used unless a config is given."""
+    """(checkpoint folder or None, config): a run directory means the weights it ended with (checkpoints/best when
+    log.keep_best restored them, else its latest checkpoint; or the one after ``--iteration``), and the run's own
+    config.yaml is used unless a config is given."""
     from .checkpoint import find_checkpoint
     from .config import load_config
 
@@ -346,8 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sample", help="grid of prompts x seeds from the base model, or base | checkpoint side by side")
     s.add_argument("config", nargs="?")
     s.add_argument("overrides", nargs="*")
-    s.add_argument("--checkpoint", help="checkpoint folder or run directory (its latest checkpoint; LoRA or full "
-                   "fine-tuning)")
+    s.add_argument("--checkpoint", help="checkpoint folder or run directory (the weights it ended with: "
+                   "checkpoints/best when the run restored them, else its latest; LoRA or full fine-tuning)")
     s.add_argument("--iteration", type=int, help="with a run directory: the checkpoint saved after this iteration")
     s.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     s.add_argument("--prompt", action="append", help="prompt (repeatable); default: the config's sample prompts")

@@ -276,6 +276,8 @@ class Trainer:
             return
         (load_lora_into if self.policy.lora else load_full_into)(self.policy.module, ckpt, self.cfg)
         self.policy.reset_ema()
+        self.best["ended_with"] = True  # `--checkpoint RUN_DIR` (sample, eval, export) then means these weights
+        self._write_best()
         if self.procs.is_main:
             print(f"the run ends with its best held-out weights: {best['metric']} {best['value']:.4f} at iteration "
                   f"{best['iteration']} (last point {last[best['metric']]:.4f} at iteration {last['iteration']}); they "

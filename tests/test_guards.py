@@ -62,6 +62,11 @@ def test_the_best_point_mid_run_is_the_one_kept(tmp_path, capsys):
     last = load_file(str(run / "checkpoints" / "iter_00003" / name))
     assert all(torch.equal(best[k], at_2[k]) for k in best)
     assert any(not torch.equal(best[k], last[k]) for k in best)
+    # the run ended with the best weights, so the run directory means them (sample / eval / export --checkpoint)
+    from flowrl.checkpoint import find_checkpoint
+
+    assert find_checkpoint(run) == run / "checkpoints" / "best"
+    assert find_checkpoint(run, iteration=3) == run / "checkpoints" / "iter_00003"
 
 
 def test_early_stopping_needs_the_held_out_curve():
