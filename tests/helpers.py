@@ -1,4 +1,4 @@
-"""User-style reward functions referenced as ``tests.helpers:function`` in tests."""
+"""User-style reward functions referenced as ``tests.helpers:function`` in tests, and shared test drivers."""
 
 import torch
 
@@ -87,3 +87,20 @@ class ScriptedCurve:
         self.calls += not grid  # the curve points follow the script; the before / after evaluations do not move it
         result = {"all": value, "mean_pixel": float(images.mean())}
         return (result, images, ["a red circle on a blue background"]) if grid else result
+
+
+def run_shipped_job(config_name: str, out_dir) -> tuple:
+    """A shipped main job exactly as configured (its output under ``out_dir``, no progress bars, no periodic
+    checkpoints): (run directory, its eval.json as a dict)."""
+    import json
+    from pathlib import Path
+
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    root = Path(__file__).resolve().parent.parent
+    cfg = load_config(root / "configs" / config_name,
+                      [f"log.output_dir={out_dir}", "log.run_name=slow", "log.progress=false", "log.save_every=0"])
+    trainer = Trainer(cfg)
+    trainer.train()
+    return trainer.run_dir, json.loads((trainer.run_dir / "eval.json").read_text())

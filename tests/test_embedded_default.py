@@ -10,6 +10,7 @@ from flowrl.config import load_config
 from flowrl.trainer import Trainer
 
 from .conftest import make_cfg
+from .helpers import run_shipped_job
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "assets"
@@ -98,15 +99,11 @@ def test_main_job_raises_heldout_accuracy(tmp_path):
     all-three accuracy and held-out reward after fine-tuning beat the shipped model's (measured on three training
     seeds: see README) without dirtying the backgrounds by more than the stated margin, and the run writes its
     curve and before | after grid."""
-    cfg = load_config(ROOT / "configs" / "tiny_default.yaml",
-                      [f"log.output_dir={tmp_path}", "log.run_name=slow", "log.progress=false", "log.save_every=0"])
-    tr = Trainer(cfg)
-    tr.train()
-    ev = json.loads((tr.run_dir / "eval.json").read_text())
+    run, ev = run_shipped_job("tiny_default.yaml", tmp_path)
     assert ev["after"]["all"] > ev["before"]["all"] + 0.02, ev
     assert ev["after"]["reward"] > ev["before"]["reward"], ev
     # the KL keeps the backgrounds clean: the stated margin is 1.5 (three seeds: +0.5 / +1.4 / +0.9; without the
     # KL +4.4 to +4.8)
     assert ev["after"]["background_noise"] - ev["before"]["background_noise"] < 1.5, ev
     for name in ("reward_curve.png", "before_after.png", "metrics.jsonl"):
-        assert (tr.run_dir / name).is_file()
+        assert (run / name).is_file()

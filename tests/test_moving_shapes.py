@@ -169,19 +169,10 @@ def test_video_main_job_raises_heldout_accuracy(tmp_path):
     """The video main job as shipped (configs/tiny_video_default.yaml, about 6 minutes on two cores): held-out
     all-four accuracy after fine-tuning beats the shipped model's (+5.7 to +6.5 points on three training seeds,
     README), and the run writes its curve, best point and before | after video grid."""
-    import json
-    from pathlib import Path
+    from .helpers import run_shipped_job
 
-    from flowrl.config import load_config
-    from flowrl.trainer import Trainer
-
-    root = Path(__file__).resolve().parent.parent
-    cfg = load_config(root / "configs" / "tiny_video_default.yaml",
-                      [f"log.output_dir={tmp_path}", "log.run_name=slow", "log.progress=false", "log.save_every=0"])
-    tr = Trainer(cfg)
-    tr.train()
-    ev = json.loads((tr.run_dir / "eval.json").read_text())
+    run, ev = run_shipped_job("tiny_video_default.yaml", tmp_path)
     assert ev["after"]["all"] > ev["before"]["all"] + 0.03, ev
     assert ev["after"]["motion"] > ev["before"]["motion"], ev
     for name in ("reward_curve.png", "before_after.gif", "before_after.mp4", "best.json", "eval_curve.jsonl"):
-        assert (tr.run_dir / name).is_file()
+        assert (run / name).is_file()
