@@ -273,7 +273,8 @@ def cmd_pretrain_tiny(args) -> int:
 
     pretrain_tiny(args.work_dir, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                   save_every=args.save_every, grid_every=args.grid_every, export_dir=args.export_dir,
-                  decay_from=args.decay_from, lr_final=args.lr_final)
+                  decay_from=args.decay_from, lr_final=args.lr_final, init_from=args.init_from,
+                  eval_every=args.eval_every)
     return 0
 
 
@@ -422,6 +423,12 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--decay-from", type=int, default=None,
                     help="step at which a cosine learning-rate decay starts (ends at --steps); default constant")
     pt.add_argument("--lr-final", type=float, default=0.1, help="final learning rate as a fraction of --lr")
+    pt.add_argument("--init-from", default=None,
+                    help="an exported tiny shapes model folder (e.g. assets/tiny_shapes) to continue pretraining: its "
+                         "weights start the run and the EMA, with a fresh optimizer; the export records it")
+    pt.add_argument("--eval-every", type=int, default=0,
+                    help="held-out accuracy of the EMA weights (24 captions x 4 seeds) every that many steps, "
+                         "printed and kept in <work-dir>/progress.jsonl; 0 = none")
     pt.set_defaults(func=cmd_pretrain_tiny)
     pv = sub.add_parser("pretrain-tiny-video", help="pretrain the embedded tiny video model on the moving-shapes "
                         "domain (CPU, resumable)")

@@ -79,6 +79,31 @@ def test_heldout_curve_counts_the_work_spent(tmp_path):
     assert summary["rollouts_spent"] == curve[-1]["rollouts_cum"] == 14
 
 
+def test_pretraining_continues_from_an_exported_model(tmp_path):
+    """`flowrl pretrain-tiny --init-from`: zero further steps export the source's weights unchanged (fp16 both ways)
+    with the lineage recorded; a few steps write held-out readouts; another architecture is refused in one line."""
+    from safetensors.torch import load_file
+
+    from flowrl.errors import FlowRLError
+    from flowrl.shapes.pretrain import pretrain_tiny
+
+    src = ASSETS / "tiny_shapes"
+    out = pretrain_tiny(tmp_path / "w0", steps=0, init_from=src, export_dir=tmp_path / "e0", progress=False)
+    for name in ("transformer/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors"):
+        a, b = load_file(str(src / name)), load_file(str(out / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    meta = json.loads((out / "pretrain.json").read_text())
+    assert meta["init_from"] == str(src) and meta["parent"]["steps"] == json.loads((src / "pretrain.json").read_text())["steps"]
+    pretrain_tiny(tmp_path / "w1", steps=2, eval_every=2, init_from=src, export_dir=tmp_path / "e1", progress=False,
+                  grid_every=100)
+    (record,) = [json.loads(line) for line in (tmp_path / "w1" / "progress.jsonl").read_text().splitlines()]
+    assert record["step"] == 2 and 0.3 < record["all"] <= 1 and set(record["per_shape"]) == {"circle", "square", "triangle", "cross"}
+    with pytest.raises(FlowRLError, match="--init-from"):
+        pretrain_tiny(tmp_path / "w2", steps=0, init_from=ASSETS / "tiny_moving_shapes", export_dir=tmp_path / "e2",
+                      progress=False)
+    assert not (tmp_path / "e2").exists()
+
+
 def test_tiny_clip_scores_matching_captions_higher():
     import numpy as np
     from flowrl.rewards import build_reward

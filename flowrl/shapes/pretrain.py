@@ -130,10 +130,54 @@ def lr_factor(step: int, steps: int, decay_from: int | None, lr_final: float) ->
     return factor
 
 
+def heldout_readout(pipe, seeds=(0, 1, 2, 3), steps: int = 10, guidance_scale: float = 4.5) -> dict:
+    """Held-out accuracy of the current weights (every held-out caption x ``seeds``, ODE, CFG, checker readout)."""
+    from ..models.sd3 import SD3Adapter
+    from ..samplers import make_sigmas
+    from ..sampling import sample_images
+    from .evaluate import shapes_accuracy
+
+    adapter = SD3Adapter(pipe, max_sequence_length=0)
+    sigmas = make_sigmas("diffusers", steps, scheduler_config=dict(pipe.scheduler.config))
+    negative = adapter.encode_prompts([""])
+
+    def sampler(prompts, s):
+        return sample_images(adapter, prompts, list(s), sigmas, (3, SHAPES_TINY.resolution, SHAPES_TINY.resolution),
+                             guidance_scale, negative)
+
+    return shapes_accuracy(sampler, list(seeds))
+
+
+def _warm_start(pipe, source: Path) -> dict:
+    """Every component of an exported tiny shapes model (``flowrl pretrain-tiny`` output) into ``pipe``; returns the
+    source's ``pretrain.json`` so the new export records its lineage."""
+    from ..errors import FlowRLError
+    from ..models.tiny import load_tiny_shapes_pipeline
+
+    config = source / "transformer" / "config.json"
+    kind = json.loads(config.read_text()).get("_class_name") if config.is_file() else None
+    if kind != "SD3Transformer2DModel":
+        raise FlowRLError(f"--init-from {source}: not an exported tiny shapes model (its transformer is {kind}); "
+                          "give a folder written by `flowrl pretrain-tiny`, such as assets/tiny_shapes")
+    exported = load_tiny_shapes_pipeline(source)
+    for name in COMPONENTS:
+        mine, theirs = getattr(pipe, name).state_dict(), getattr(exported, name).state_dict()
+        if {k: tuple(v.shape) for k, v in mine.items()} != {k: tuple(v.shape) for k, v in theirs.items()}:
+            raise FlowRLError(f"--init-from {source}: its {name} has another architecture than the tiny shapes "
+                              "model's (flowrl.shapes.pretrain.SHAPES_TINY); start from a model it wrote")
+        getattr(pipe, name).load_state_dict(theirs)
+    meta = source / "pretrain.json"
+    return json.loads(meta.read_text()) if meta.is_file() else {}
+
+
 def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000, batch: int = 32, lr: float = 1e-3,
                   seed: int = 0, ema_decay: float = 0.999, caption_dropout: float = 0.1, save_every: int = 250,
                   grid_every: int = 500, export_dir: str | Path | None = None, progress: bool = True,
-                  decay_from: int | None = None, lr_final: float = 0.1) -> Path:
+                  decay_from: int | None = None, lr_final: float = 0.1, init_from: str | Path | None = None,
+                  eval_every: int = 0) -> Path:
+    """Pretrain (or, with ``init_from``, continue pretraining an exported model: its weights start both the trained
+    copy and the EMA, with a fresh optimizer and warm-up) and export. ``eval_every`` > 0 reads the held-out accuracy
+    of the EMA weights (24 captions x 4 seeds) into ``progress.jsonl`` every that many steps."""
     from diffusers.training_utils import EMAModel
 
     from ..models.sd3 import SD3Adapter
@@ -144,6 +188,7 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
     work_dir = Path(work_dir)
     torch.manual_seed(seed)
     pipe = build_tiny_sd3_pipeline(SHAPES_TINY, seed=seed)
+    parent = _warm_start(pipe, Path(init_from)) if init_from is not None else None  # before the EMA copies them
     params = _trainable(pipe)
     for name in COMPONENTS:
         getattr(pipe, name).train().requires_grad_(True)
@@ -163,7 +208,7 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
     n_params = sum(p.numel() for p in pipe.transformer.parameters())
     n_text = sum(p.numel() for n in COMPONENTS[1:] for p in getattr(pipe, n).parameters())
     bar = tqdm(total=steps, initial=step, desc="pretrain", disable=not progress)
-    loss_ema = None
+    loss_ema, readout = None, None
     t_start = time.perf_counter() - elapsed
     while step < steps:
         x0, prompts = shapes_batch(train_specs, batch, rng, SHAPES_TINY.resolution)
@@ -196,6 +241,18 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
             ema.restore(params)
             for name in COMPONENTS:
                 getattr(pipe, name).train()
+        if eval_every and (step % eval_every == 0 or step == steps):
+            ema.store(params)
+            ema.copy_to(params)
+            readout = heldout_readout(pipe)
+            ema.restore(params)
+            for name in COMPONENTS:  # the readout's adapter put the modules in eval mode and froze them
+                getattr(pipe, name).train().requires_grad_(True)
+            record = {"step": step, "minutes": round((time.perf_counter() - t_start) / 60, 1), "loss": loss_ema,
+                      **{k: readout[k] for k in ("background", "color", "shape", "all", "per_shape")}}
+            with open(work_dir / "progress.jsonl", "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            bar.write(json.dumps(record))
     bar.close()
     steps = max(steps, step)  # --steps below the saved step exports the current state as it is
     wall = time.perf_counter() - t_start
@@ -204,7 +261,9 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
             "steps": steps, "batch": batch, "lr": lr, "decay_from": decay_from, "lr_final": lr_final, "seed": seed, "ema_decay": ema_decay,
             "caption_dropout": caption_dropout, "wall_time_s": round(wall, 1), "final_loss_ema": loss_ema,
             "transformer_params": n_params, "text_encoder_params": n_text, "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "config": SHAPES_TINY.__dict__}
+            "threads": torch.get_num_threads(), "config": SHAPES_TINY.__dict__, "heldout_readout": readout}
+    if init_from is not None:  # the steps above continue the parent's: its settings and time travel with the export
+        meta.update({"init_from": str(init_from), "parent": parent})
     out = Path(export_dir) if export_dir else assets_dir() / "tiny_shapes"
     export_model(pipe, out, meta)
     print(json.dumps({"exported": str(out), "wall_time_min": round(wall / 60, 1), "loss": loss_ema}))
