@@ -375,7 +375,7 @@ def rank_runs(run_dirs: list[Path], baseline: str | None = None, max_se: float =
         label, seed = _run_label(rd)
         b, a = ev["before"], ev["after"]
         groups.setdefault(label, []).append({
-            "seed": seed, "gain": a["all"] - b["all"], "after": a["all"], "reward_after": a.get("reward", float("nan")),
+            "seed": seed, "gain": a["all"] - b["all"], "before": b["all"], "after": a["all"], "reward_after": a.get("reward", float("nan")),
             "noise_change": a.get("background_noise", float("nan")) - b.get("background_noise", float("nan")),
             "seconds": last.get("seconds_cum", float("nan")), "rollouts": last.get("rollouts_cum", float("nan"))})
     if baseline is not None and baseline not in groups:
@@ -386,7 +386,8 @@ def rank_runs(run_dirs: list[Path], baseline: str | None = None, max_se: float =
         gains = [r["gain"] for r in runs]
         mean = lambda k: sum(r[k] for r in runs) / len(runs)  # noqa: E731
         table.append({"label": label, "seeds": sorted(r["seed"] for r in runs), "gain_mean": mean("gain"),
-                      "gain_se": _stderr(gains) if len(runs) > 1 else None, "after_mean": mean("after"),
+                      "gain_se": _stderr(gains) if len(runs) > 1 else None, "before_mean": mean("before"),
+                      "after_mean": mean("after"),
                       "reward_after": mean("reward_after"), "noise_change": mean("noise_change"),
                       "seconds": mean("seconds"), "rollouts": mean("rollouts")})
     base = next(r for r in table if r["label"] == base_label)
@@ -403,14 +404,16 @@ def rank_runs(run_dirs: list[Path], baseline: str | None = None, max_se: float =
 
 
 def format_rank_table(table: list[dict], baseline: str) -> str:
-    """The ranked table as markdown (percentage points for gains)."""
-    lines = [f"| rank | preset | seeds | held-out all gain (pts, mean +- SE) | after | held-out reward | "
+    """The ranked table as markdown (percentage points for gains; before -> after shows a preset evaluated on its own
+    baseline, such as a CFG-free one)."""
+    lines = [f"| rank | preset | seeds | held-out all gain (pts, mean +- SE) | before -> after | held-out reward | "
              f"background noise change | seconds | images | vs {baseline} |", "|" + "---|" * 10]
     for i, r in enumerate(table, 1):
         se = "n/a" if r["gain_se"] is None else f"{100 * r['gain_se']:.1f}" + ("" if r["se_ok"] else " (> 1.5)")
         sig = ("baseline" if r["label"] == baseline else "n/a" if r["significant"] is None else
                f"{100 * r['diff_vs_baseline']:+.1f} " + ("(> 2 SE)" if r["significant"] else "(within 2 SE)"))
         lines.append(f"| {i} | {r['label']} | {len(r['seeds'])} | {100 * r['gain_mean']:+.1f} +- {se} | "
-                     f"{100 * r['after_mean']:.1f}% | {r['reward_after']:.3f} | {r['noise_change']:+.1f} | "
+                     f"{100 * r['before_mean']:.1f}% -> {100 * r['after_mean']:.1f}% | {r['reward_after']:.3f} | "
+                     f"{r['noise_change']:+.1f} | "
                      f"{r['seconds']:.0f} | {r['rollouts']:.0f} | {sig} |")
     return "\n".join(lines)
