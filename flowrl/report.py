@@ -384,7 +384,9 @@ def rank_runs(run_dirs: list[Path], baseline: str | None = None, max_se: float =
     table = []
     for label, runs in groups.items():
         gains = [r["gain"] for r in runs]
-        mean = lambda k: sum(r[k] for r in runs) / len(runs)  # noqa: E731
+        def mean(key: str, runs=runs) -> float:
+            return sum(r[key] for r in runs) / len(runs)
+
         table.append({"label": label, "seeds": sorted(r["seed"] for r in runs), "gain_mean": mean("gain"),
                       "gain_se": _stderr(gains) if len(runs) > 1 else None, "before_mean": mean("before"),
                       "after_mean": mean("after"),
@@ -406,8 +408,8 @@ def rank_runs(run_dirs: list[Path], baseline: str | None = None, max_se: float =
 def format_rank_table(table: list[dict], baseline: str) -> str:
     """The ranked table as markdown (percentage points for gains; before -> after shows a preset evaluated on its own
     baseline, such as a CFG-free one)."""
-    lines = [f"| rank | preset | seeds | held-out all gain (pts, mean +- SE) | before -> after | held-out reward | "
-             f"background noise change | seconds | images | vs {baseline} |", "|" + "---|" * 10]
+    lines = [(f"| rank | preset | seeds | held-out all gain (pts, mean +- SE) | before -> after | held-out reward | "
+              f"background noise change | seconds | images | vs {baseline} |"), "|" + "---|" * 10]
     for i, r in enumerate(table, 1):
         se = "n/a" if r["gain_se"] is None else f"{100 * r['gain_se']:.1f}" + ("" if r["se_ok"] else " (> 1.5)")
         sig = ("baseline" if r["label"] == baseline else "n/a" if r["significant"] is None else
