@@ -83,6 +83,24 @@ def test_margin_reward_by_hand():
         build_reward("shapes", shape="area")
 
 
+def test_background_noise_penalty_by_hand():
+    """background_noise_weight w: the reward falls by w x (RMS background noise) / 100; a clean image keeps it."""
+    from flowrl.shapes.reward import attribute_scores
+
+    img = render(ShapeSpec("square", "red", "blue"), 32, seed=1).astype(np.float32)
+    noisy = np.clip(img + np.random.default_rng(0).normal(0, 8, img.shape), 0, 255)
+    x = torch.cat([as_batch([img]), torch.from_numpy(noisy).permute(2, 0, 1)[None].float() / 255])
+    prompts = ["a red square on a blue background"] * 2
+    plain = build_reward("shapes", shape="margin")(x, prompts)
+    noise = attribute_scores(x, prompts)["bg_noise"]
+    assert noise[0] == 0.0 and 5.0 < noise[1] < 9.0
+    penalised = build_reward("shapes", shape="margin", background_noise_weight=2.0)(x, prompts)
+    assert penalised[0] == pytest.approx(plain[0])
+    assert penalised[1] == pytest.approx(plain[1] - 2.0 * noise[1] / 100)
+    with pytest.raises(RewardError, match="background_noise_weight=-1"):
+        build_reward("shapes", background_noise_weight=-1)
+
+
 def test_out_of_vocabulary_prompt_is_an_error():
     x = as_batch([render(ShapeSpec("square", "red", "blue"), 32, 0)])
     with pytest.raises(RewardError, match="cannot judge the prompt 'a photo of a cat'"):

@@ -131,17 +131,22 @@ class ShapesReward:
 
     ``shape="iou"``: the shape score is the IoU with the asked shape's template. ``shape="margin"``:
     (1 + IoU(asked) - max IoU(other shapes)) / 2, which rises exactly as the mask moves toward being read as
-    the asked shape (a blob that grows more like every template gains IoU but no margin)."""
+    the asked shape (a blob that grows more like every template gains IoU but no margin).
 
-    def __init__(self, shape: str = "iou"):
+    ``background_noise_weight`` w > 0 subtracts w x background noise / 100 (the cleanliness metric, 0..255 per
+    channel), so texture on flat backgrounds, which the checker's readout ignores, costs reward."""
+
+    def __init__(self, shape: str = "iou", background_noise_weight: float = 0.0):
         if shape not in ("iou", "margin"):
             raise RewardError(f"shapes reward: shape={shape!r} must be 'iou' or 'margin'")
-        self.shape = shape
+        if not background_noise_weight >= 0:
+            raise RewardError(f"shapes reward: background_noise_weight={background_noise_weight!r} must be >= 0")
+        self.shape, self.noise_weight = shape, float(background_noise_weight)
 
     def __call__(self, images, prompts, metadata=None):
         s = attribute_scores(images, prompts)
         shape = s["shape_score"] if self.shape == "iou" else (1 + s["shape_margin"]) / 2
-        return (s["bg_score"] + s["color_score"] + shape) / 3
+        return (s["bg_score"] + s["color_score"] + shape) / 3 - self.noise_weight * s["bg_noise"] / 100
 
 
 @register_reward("shapes_accuracy")
