@@ -272,8 +272,8 @@ class Trainer:
         if not (self.cfg.log.keep_best and best and ckpt.is_dir()):
             return
         last = report.read_metrics(self.curve_path)[-1]
-        if last["iteration"] == best["iteration"]:
-            return
+        if last["iteration"] == best["iteration"] or last[best["metric"]] >= best["value"]:
+            return  # a last point that ties the best keeps the trained weights: the earlier ones do not beat it
         (load_lora_into if self.policy.lora else load_full_into)(self.policy.module, ckpt, self.cfg)
         self.policy.reset_ema()
         self.best["ended_with"] = True  # `--checkpoint RUN_DIR` (sample, eval, export) then means these weights

@@ -89,6 +89,12 @@ class ScriptedCurve:
         return (result, images, ["a red circle on a blue background"]) if grid else result
 
 
+class TiedCurve(ScriptedCurve):
+    """The last curve point ties the best one."""
+
+    SCRIPT = [0.5, 0.8, 0.6, 0.8]
+
+
 def run_shipped_job(config_name: str, out_dir) -> tuple:
     """A shipped main job exactly as configured (its output under ``out_dir``, no progress bars, no periodic
     checkpoints): (run directory, its eval.json as a dict)."""

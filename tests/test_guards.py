@@ -69,6 +69,25 @@ def test_the_best_point_mid_run_is_the_one_kept(tmp_path, capsys):
     assert find_checkpoint(run, iteration=3) == run / "checkpoints" / "iter_00003"
 
 
+def test_a_last_point_that_ties_the_best_keeps_the_trained_weights(tmp_path, capsys):
+    """Curve 0.5, 0.8, 0.6, 0.8: the earlier 0.8 does not beat the last one, so the run ends with the weights it
+    trained (no restore, `--checkpoint RUN` means the last iteration's checkpoint)."""
+    code = main(["train", "log.eval=tests.helpers:TiedCurve", "log.eval_every=1", "train.iterations=3",
+                 "train.lora.enabled=false", "train.lr=1e-2", "sampler.num_steps=3", "train.prompts_per_iter=1",
+                 "algorithm.group_size=2", "log.save_every=1", "log.sample_every=0", f"log.output_dir={tmp_path}",
+                 "log.progress=false"])
+    assert code == 0
+    out = capsys.readouterr()
+    summary = json.loads(out.out.strip().splitlines()[-1])
+    assert summary["best"]["iteration"] == 1 and summary["best"]["value"] == 0.8
+    assert "the run ends with its best held-out weights" not in out.err
+    run = run_dir(tmp_path)
+    assert not json.loads((run / "best.json").read_text()).get("ended_with")
+    from flowrl.checkpoint import find_checkpoint
+
+    assert find_checkpoint(run) == run / "checkpoints" / "iter_00002"
+
+
 def test_early_stopping_needs_the_held_out_curve():
     with pytest.raises(ConfigError, match="set log.eval .* and log.eval_every"):
         load_config(None, ["log.early_stop_patience=3"])
