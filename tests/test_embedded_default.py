@@ -104,6 +104,29 @@ def test_pretraining_continues_from_an_exported_model(tmp_path):
     assert not (tmp_path / "e2").exists()
 
 
+def test_pretraining_samples_the_ema_and_keeps_training_every_component():
+    """A grid or readout during pretraining samples the EMA weights through an adapter, which freezes the text
+    encoders; afterwards the trained weights are back and every component trains again."""
+    from diffusers.training_utils import EMAModel
+
+    from flowrl.models.tiny import load_tiny_shapes_pipeline
+    from flowrl.shapes.pretrain import COMPONENTS, sampling_ema_weights
+
+    pipe = load_tiny_shapes_pipeline()
+    params = [p for name in COMPONENTS for p in getattr(pipe, name).parameters()]
+    ema = EMAModel(params, decay=0.999)
+    trained = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)  # the trained copy moves away from the EMA
+    with sampling_ema_weights(pipe, params, ema) as adapter:
+        assert adapter.pipe is pipe and not any(p.requires_grad for p in pipe.text_encoder.parameters())
+        assert all(torch.equal(p, t) for p, t in zip(params, trained))  # sampling sees the EMA weights
+    assert all(torch.equal(p, t + 1.0) for p, t in zip(params, trained))
+    assert all(p.requires_grad for p in params)
+    assert all(getattr(pipe, name).training for name in COMPONENTS)
+
+
 def test_tiny_clip_scores_matching_captions_higher():
     import numpy as np
     from flowrl.rewards import build_reward

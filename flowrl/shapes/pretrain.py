@@ -16,6 +16,7 @@ import random
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -130,22 +131,39 @@ def lr_factor(step: int, steps: int, decay_from: int | None, lr_final: float) ->
     return factor
 
 
-def heldout_readout(pipe, seeds=(0, 1, 2, 3), steps: int = 10, guidance_scale: float = 4.5) -> dict:
-    """Held-out accuracy of the current weights (every held-out caption x ``seeds``, ODE, CFG, checker readout)."""
+@contextmanager
+def sampling_ema_weights(pipe, params, ema):
+    """The EMA weights in place and an adapter that samples them; afterwards the trained weights are back and every
+    component trains again (the adapter freezes the text encoders and puts them in eval mode, which without this
+    would stop their training at the first grid)."""
     from ..models.sd3 import SD3Adapter
+
+    ema.store(params)
+    ema.copy_to(params)
+    try:
+        yield SD3Adapter(pipe, max_sequence_length=0)
+    finally:
+        ema.restore(params)
+        for name in COMPONENTS:
+            getattr(pipe, name).train().requires_grad_(True)
+
+
+def _sample_heldout(adapter, prompts: list[str], seeds, steps: int = 10, guidance_scale: float = 4.5) -> torch.Tensor:
+    """(P * S, 3, H, W) ODE samples with CFG, prompt-major."""
     from ..samplers import make_sigmas
     from ..sampling import sample_images
+
+    sigmas = make_sigmas("diffusers", steps, scheduler_config=dict(adapter.pipe.scheduler.config))
+    res = SHAPES_TINY.resolution
+    return sample_images(adapter, prompts, list(seeds), sigmas, (3, res, res), guidance_scale,
+                         adapter.encode_prompts([""]))
+
+
+def heldout_readout(adapter, seeds=(0, 1, 2, 3)) -> dict:
+    """Held-out accuracy of the adapter's weights (every held-out caption x ``seeds``, 10 ODE steps, CFG 4.5)."""
     from .evaluate import shapes_accuracy
 
-    adapter = SD3Adapter(pipe, max_sequence_length=0)
-    sigmas = make_sigmas("diffusers", steps, scheduler_config=dict(pipe.scheduler.config))
-    negative = adapter.encode_prompts([""])
-
-    def sampler(prompts, s):
-        return sample_images(adapter, prompts, list(s), sigmas, (3, SHAPES_TINY.resolution, SHAPES_TINY.resolution),
-                             guidance_scale, negative)
-
-    return shapes_accuracy(sampler, list(seeds))
+    return shapes_accuracy(lambda prompts, s: _sample_heldout(adapter, prompts, s), list(seeds))
 
 
 def _warm_start(pipe, source: Path) -> dict:
@@ -161,11 +179,11 @@ def _warm_start(pipe, source: Path) -> dict:
                           "give a folder written by `flowrl pretrain-tiny`, such as assets/tiny_shapes")
     exported = load_tiny_shapes_pipeline(source)
     for name in COMPONENTS:
-        mine, theirs = getattr(pipe, name).state_dict(), getattr(exported, name).state_dict()
-        if {k: tuple(v.shape) for k, v in mine.items()} != {k: tuple(v.shape) for k, v in theirs.items()}:
+        try:
+            getattr(pipe, name).load_state_dict(getattr(exported, name).state_dict())
+        except RuntimeError:  # missing, unexpected or differently shaped weights
             raise FlowRLError(f"--init-from {source}: its {name} has another architecture than the tiny shapes "
-                              "model's (flowrl.shapes.pretrain.SHAPES_TINY); start from a model it wrote")
-        getattr(pipe, name).load_state_dict(theirs)
+                              "model's (flowrl.shapes.pretrain.SHAPES_TINY); start from a model it wrote") from None
     meta = source / "pretrain.json"
     return json.loads(meta.read_text()) if meta.is_file() else {}
 
@@ -180,10 +198,8 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
     of the EMA weights (24 captions x 4 seeds) into ``progress.jsonl`` every that many steps."""
     from diffusers.training_utils import EMAModel
 
-    from ..models.sd3 import SD3Adapter
     from ..models.tiny import build_tiny_sd3_pipeline
     from ..report import save_grid
-    from ..sampling import sample_images
 
     work_dir = Path(work_dir)
     torch.manual_seed(seed)
@@ -226,33 +242,23 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
         bar.set_postfix(loss=f"{loss_ema:.4f}")
         if step % save_every == 0 or step == steps:
             _save_state(state_dir, pipe, optimizer, ema, step, time.perf_counter() - t_start, commands)
-        if step % grid_every == 0 or step == steps:
-            ema.store(params)
-            ema.copy_to(params)
-            adapter = SD3Adapter(pipe, max_sequence_length=0)
-            prompts_h = [s.prompt for s in held_specs[:: max(1, len(held_specs) // 6)][:6]]
-            neg = adapter.encode_prompts([""])
-            from ..samplers import make_sigmas
-
-            sig = make_sigmas("diffusers", 10, scheduler_config=dict(pipe.scheduler.config))
-            imgs = sample_images(adapter, prompts_h, [0, 1, 2, 3], sig, (3, 32, 32), 4.5, neg)
-            save_grid(imgs, 4, work_dir / "grids" / f"step_{step:06d}.png", row_labels=prompts_h,
-                      title=f"pretraining step {step}, held-out prompts, EMA, CFG 4.5")
-            ema.restore(params)
-            for name in COMPONENTS:
-                getattr(pipe, name).train()
-        if eval_every and (step % eval_every == 0 or step == steps):
-            ema.store(params)
-            ema.copy_to(params)
-            readout = heldout_readout(pipe)
-            ema.restore(params)
-            for name in COMPONENTS:  # the readout's adapter put the modules in eval mode and froze them
-                getattr(pipe, name).train().requires_grad_(True)
-            record = {"step": step, "minutes": round((time.perf_counter() - t_start) / 60, 1), "loss": loss_ema,
-                      **{k: readout[k] for k in ("background", "color", "shape", "all", "per_shape")}}
-            with open(work_dir / "progress.jsonl", "a") as fh:
-                fh.write(json.dumps(record) + "\n")
-            bar.write(json.dumps(record))
+        grid_now = step % grid_every == 0 or step == steps
+        eval_now = eval_every > 0 and (step % eval_every == 0 or step == steps)
+        if grid_now or eval_now:
+            with sampling_ema_weights(pipe, params, ema) as adapter:
+                if grid_now:
+                    prompts_h = [s.prompt for s in held_specs[:: max(1, len(held_specs) // 6)][:6]]
+                    save_grid(_sample_heldout(adapter, prompts_h, [0, 1, 2, 3]), 4,
+                              work_dir / "grids" / f"step_{step:06d}.png", row_labels=prompts_h,
+                              title=f"pretraining step {step}, held-out prompts, EMA, CFG 4.5")
+                if eval_now:
+                    readout = heldout_readout(adapter)
+            if eval_now:
+                record = {"step": step, "minutes": round((time.perf_counter() - t_start) / 60, 1), "loss": loss_ema,
+                          **{k: readout[k] for k in ("background", "color", "shape", "all", "per_shape")}}
+                with open(work_dir / "progress.jsonl", "a") as fh:
+                    fh.write(json.dumps(record) + "\n")
+                bar.write(json.dumps(record))
     bar.close()
     steps = max(steps, step)  # --steps below the saved step exports the current state as it is
     wall = time.perf_counter() - t_start
