@@ -100,6 +100,9 @@ class SamplerConfig:
     noise_device: str = opt("cpu", "where rollout noise is drawn: cpu (bit-exact across devices and batchings) or "
                             "device (the accelerator's generator: no host-to-device copy per round)",
                             choices=["cpu", "device"])
+    noise_lowpass: int = opt(0, "k > 0: SDE noise only in the k x k lowest spatial DCT frequencies of the latent "
+                             "(ODE in every other direction; flow_grpo and dance kernels); 0: noise in every "
+                             "direction", lo=0)
     cps_log_prob: str = opt("gaussian", "cps kernel: the true Gaussian log-prob, or the paper's and Flow-GRPO's "
                             "unnormalised -(x' - mean)^2 (published CPS clip ranges assume it)",
                             choices=["gaussian", "published"])
@@ -593,6 +596,9 @@ def validate(cfg: Config) -> None:
     if cfg.train.grpo_guard and cfg.sampler.kernel != "flow_grpo":
         raise ConfigError(f"train.grpo_guard: GRPO-Guard normalises Flow-SDE transitions; set sampler.kernel=flow_grpo "
                           f"(not {cfg.sampler.kernel}) or train.grpo_guard=false")
+    if cfg.sampler.noise_lowpass and cfg.sampler.kernel == "cps":
+        raise ConfigError("sampler.noise_lowpass: the cps kernel has no score correction to restrict; use "
+                          "sampler.kernel=flow_grpo or dance, or sampler.noise_lowpass=0")
     if cfg.train.kl_beta > 0 and cfg.train.kl_reference == "ema" and not cfg.train.ema.enabled:
         raise ConfigError("train.kl_reference=ema: the reference is the EMA of the weights; set "
                           "train.ema.enabled=true or train.kl_reference=initial")

@@ -187,9 +187,11 @@ class Tree:
 
 
 def kernel_options(cfg) -> dict:
-    """Extra keyword arguments of the configured step kernel (the CPS log-prob convention)."""
+    """Extra keyword arguments of the configured step kernel (the CPS log-prob convention, low-pass noise)."""
     if cfg.sampler.kernel == "cps" and cfg.sampler.cps_log_prob == "published":
         return {"published_log_prob": True}
+    if cfg.sampler.noise_lowpass:
+        return {"lowpass": cfg.sampler.noise_lowpass}
     return {}
 
 

@@ -73,6 +73,9 @@ class Trainer:
         # --- the model and the policy
         self.adapter = load_adapter(cfg.model, self.device)
         self.latent_shape = self.adapter.latent_shape(cfg.model.resolution)
+        if cfg.sampler.noise_lowpass > min(self.latent_shape[-2:]):
+            raise ConfigError(f"sampler.noise_lowpass={cfg.sampler.noise_lowpass}: the latent is only "
+                              f"{self.latent_shape[-2]} x {self.latent_shape[-1]}; use at most {min(self.latent_shape[-2:])}")
         self.policy = Policy(cfg, self.adapter, self.device)
         if self.algorithm.keeps_old_policy:
             self.policy.enable_old_policy()
@@ -465,7 +468,7 @@ class Trainer:
                 logp[md] = old[m].to(dev) + guard_log_ratio(out.log_prob, old[m].to(dev), out.mean, mean_old, out.std)
             if v_ref is not None:
                 ref = kernel_step(cfg.sampler.kernel, x[pos[md]], v_ref[pos[md]], s[m], s_next[m], noise_level=lv,
-                                  sigma_at_one=sigma_at_one, prev_sample=prev[md])
+                                  sigma_at_one=sigma_at_one, prev_sample=prev[md], **options)
                 std = kl_std(cfg.train.kl_std, out.std, s[m].to(dev), s_next[m].to(dev))
                 kl[md] = gaussian_kl_same_std(out.mean, ref.mean, std)
         step_index = parent_index[pos.cpu()]

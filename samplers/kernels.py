@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -57,6 +58,55 @@ def _finish(mean, std, noise, prev_sample, reduce="mean") -> StepOutput:
     return StepOutput(sample, mean, std, gaussian_log_prob(sample, mean, std, reduce))
 
 
+@lru_cache(maxsize=16)
+def dct_lowpass_basis(size: int, k: int, device: str = "cpu") -> torch.Tensor:
+    """The k lowest-frequency orthonormal DCT-II vectors on ``size`` points, as rows: (k, size) fp32."""
+    if not 1 <= k <= size:
+        raise ValueError(f"noise_lowpass={k} must lie in 1..{size}, the latent's side")
+    i = torch.arange(size, dtype=torch.float64)
+    f = torch.arange(k, dtype=torch.float64)[:, None]
+    basis = torch.cos(math.pi * (i + 0.5) * f / size) * math.sqrt(2.0 / size)
+    basis[0] /= math.sqrt(2.0)
+    return basis.float().to(device)
+
+
+def lowpass_coords(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Coordinates of x in the k x k lowest spatial DCT frequencies of its last two axes: (..., H, W) -> (..., k, k)."""
+    bh = dct_lowpass_basis(x.shape[-2], k, str(x.device))
+    bw = dct_lowpass_basis(x.shape[-1], k, str(x.device))
+    return torch.einsum("fh,...hw,gw->...fg", bh, x, bw)
+
+
+def lowpass_project(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The orthogonal projection of x onto those frequencies, back on its own grid: (..., H, W) -> (..., H, W)."""
+    bh = dct_lowpass_basis(x.shape[-2], k, str(x.device))
+    bw = dct_lowpass_basis(x.shape[-1], k, str(x.device))
+    return torch.einsum("fh,...fg,gw->...hw", bh, lowpass_coords(x, k), bw)
+
+
+def _finish_lowpass(ode_mean, mean, std, noise, prev_sample, reduce, k) -> StepOutput:
+    """The transition restricted to the k x k lowest spatial frequencies: there it is the SDE's Gaussian
+    (same drift correction, same std per direction); in every other direction it is the ODE step, exactly.
+
+    Why: the policy gradient of a full-rank pixel-space Gaussian pushes the mean along each sample's white
+    noise, and the reward only sees its low frequencies; the high-frequency rest averages out only slowly and
+    is learnt as texture. Exploring in a low-frequency subspace removes that component from the gradient and
+    cuts the action's dimension (k^2 C instead of H W C), so the likelihood-ratio estimate is far less noisy.
+    Marginals are kept: the SDE's score correction is applied in exactly the directions that get noise.
+    The log-prob is the Gaussian density of the action's subspace coordinates (reduced over the k^2 C of them).
+    """
+    mean = ode_mean + lowpass_project(mean - ode_mean, k)
+    if prev_sample is None:
+        if noise is None:
+            raise ValueError("an SDE step needs either `noise` (to sample) or `prev_sample` (to score)")
+        sample = mean + std * lowpass_project(noise.float(), k)
+    else:
+        sample = prev_sample.float()
+    # the action's coordinates and the mean's: (B, C, [F,] k, k); the log-prob's gradient flows through the mean's
+    log_prob = gaussian_log_prob(lowpass_coords(sample.detach(), k), lowpass_coords(mean, k), std, reduce)
+    return StepOutput(sample, mean, std, log_prob)
+
+
 def ode_step(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, **_) -> StepOutput:
     """Deterministic Euler step ``x + dt v`` (the probability-flow ODE)."""
     x, v = x.float(), v.float()
@@ -89,12 +139,14 @@ def flow_grpo_sde_step(
     noise: torch.Tensor | None = None,
     prev_sample: torch.Tensor | None = None,
     reduce: str = "mean",
+    lowpass: int = 0,
 ) -> StepOutput:
     """Flow-GRPO SDE (Euler-Maruyama of the marginal-preserving SDE with g = a sqrt(sigma / (1 - sigma))).
 
     ``sigma_at_one`` replaces sigma in the *denominator* of sqrt(sigma / (1 - sigma)) when sigma == 1 (the
     anchors use ``sigmas[1]``), avoiding a division by zero at the first step; the numerator keeps the true
     sigma, so the whole transition std at sigma = 1 is a * sqrt(1 / (1 - sigma_1)) * sqrt(1 - sigma_1) = a.
+    ``lowpass`` = k > 0 restricts the noise to the k x k lowest spatial frequencies (:func:`_finish_lowpass`).
     """
     x, v = x.float(), v.float()
     s = _as_batch(sigma, x)
@@ -103,6 +155,8 @@ def flow_grpo_sde_step(
     std_dev = noise_level * torch.sqrt(s / (1 - denominator_sigma(s, sigma_at_one)))
     mean = x * (1 + std_dev**2 / (2 * s) * dt) + v * (1 + std_dev**2 * (1 - s) / (2 * s)) * dt
     std = std_dev * torch.sqrt(-dt)
+    if lowpass:
+        return _finish_lowpass(x + dt * v, mean, std, noise, prev_sample, reduce, lowpass)
     return _finish(mean, std, noise, prev_sample, reduce)
 
 
@@ -115,6 +169,7 @@ def dance_sde_step(
     noise: torch.Tensor | None = None,
     prev_sample: torch.Tensor | None = None,
     reduce: str = "mean",
+    lowpass: int = 0,
     **_,
 ) -> StepOutput:
     """DanceGRPO SDE: the same drift as Flow-GRPO's with a constant diffusion coefficient eta.
@@ -127,6 +182,8 @@ def dance_sde_step(
     score = -(x + (1 - s) * v) / s
     mean = x + dt * v - 0.5 * eta**2 * score * dt
     std = (eta * torch.sqrt(-dt)).clamp_min(1e-8)
+    if lowpass:
+        return _finish_lowpass(x + dt * v, mean, std, noise, prev_sample, reduce, lowpass)
     return _finish(mean, std, noise, prev_sample, reduce)
 
 
@@ -168,14 +225,16 @@ KERNELS = {"ode": ode_step, "flow_grpo": flow_grpo_sde_step, "dance": dance_sde_
 
 
 def step(kind: str, x, v, sigma, sigma_next, *, noise_level: float, sigma_at_one=None, noise=None,
-         prev_sample=None, reduce: str = "mean", published_log_prob: bool = False) -> StepOutput:
-    """Dispatch one transition by kernel name; ``noise_level`` is a for flow_grpo/cps and eta for dance."""
+         prev_sample=None, reduce: str = "mean", published_log_prob: bool = False, lowpass: int = 0) -> StepOutput:
+    """Dispatch one transition by kernel name; ``noise_level`` is a for flow_grpo/cps and eta for dance;
+    ``lowpass`` (flow_grpo, dance) restricts the noise to that many lowest spatial frequencies per axis."""
     if kind == "ode":
         return ode_step(x, v, sigma, sigma_next)
     if kind == "flow_grpo":
-        return flow_grpo_sde_step(x, v, sigma, sigma_next, noise_level, sigma_at_one, noise, prev_sample, reduce)
+        return flow_grpo_sde_step(x, v, sigma, sigma_next, noise_level, sigma_at_one, noise, prev_sample, reduce,
+                                  lowpass)
     if kind == "dance":
-        return dance_sde_step(x, v, sigma, sigma_next, noise_level, noise, prev_sample, reduce)
+        return dance_sde_step(x, v, sigma, sigma_next, noise_level, noise, prev_sample, reduce, lowpass)
     if kind == "cps":
         return cps_step(x, v, sigma, sigma_next, noise_level, noise, prev_sample, reduce, published_log_prob)
     raise ValueError(f"unknown step kernel {kind!r}; choose one of {sorted(KERNELS)}")

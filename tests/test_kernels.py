@@ -167,3 +167,82 @@ def test_flow_grpo_kl_normalisation_rejects_cps():
 
     with pytest.raises(ConfigError, match="the cps kernel's std has no sqrt"):
         load_config(None, ["sampler.kernel=cps", "train.kl_beta=0.01", "train.kl_std=flow_grpo"])
+
+
+@pytest.mark.parametrize("kernel", [flow_grpo_sde_step, dance_sde_step])
+def test_lowpass_noise_at_full_rank_is_the_full_kernel(kernel):
+    """Keeping all H x W DCT frequencies restricts nothing: the same sample, mean and log-prob as the plain kernel."""
+    g = torch.Generator().manual_seed(0)
+    x, v, n = (torch.randn(2, 3, 6, 6, generator=g) for _ in range(3))
+    full = kernel(x, v, S, S_NEXT, noise=n)
+    lp = kernel(x, v, S, S_NEXT, noise=n, lowpass=6)
+    for a, b in ((full.sample, lp.sample), (full.mean, lp.mean), (full.log_prob, lp.log_prob)):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_lowpass_noise_by_hand():
+    """k = 1 on a 2 x 2 latent: the only direction is the constant image (DCT row 1/sqrt(2), 1/sqrt(2) per axis),
+    so the noise and the SDE's drift correction reach every pixel as their pixel mean, the rest is the ODE step,
+    and the action is one coordinate c = sum(sample - mean) / 2 with density N(0, std^2)."""
+    a = 0.7
+    xs, vs, ns = [0.3, -0.1, 0.5, 0.2], [-1.2, 0.4, 0.0, 0.8], [0.5, -1.0, 2.0, 0.3]
+    x, v, n = (torch.tensor(z).reshape(1, 1, 2, 2) for z in (xs, vs, ns))
+    out = flow_grpo_sde_step(x, v, S, S_NEXT, noise_level=a, noise=n, lowpass=1)
+    dt = S_NEXT - S
+    std_dev = a * math.sqrt(S / (1 - S))
+    std = std_dev * math.sqrt(-dt)
+    ode = [xi + dt * vi for xi, vi in zip(xs, vs)]
+    sde = [xi * (1 + std_dev**2 / (2 * S) * dt) + vi * (1 + std_dev**2 * (1 - S) / (2 * S)) * dt for xi, vi in zip(xs, vs)]
+    shift = sum(s - o for s, o in zip(sde, ode)) / 4  # the correction's projection: its pixel mean
+    mean = [o + shift for o in ode]
+    sample = [m + std * sum(ns) / 4 for m in mean]
+    c = sum(s - m for s, m in zip(sample, mean)) / 2  # = std * sum(ns) / 2 = std * 0.9
+    assert out.mean.flatten().tolist() == pytest.approx(mean, rel=1e-5)
+    assert out.sample.flatten().tolist() == pytest.approx(sample, rel=1e-5)
+    assert c == pytest.approx(std * 0.9)
+    assert out.log_prob.item() == pytest.approx(logn(c, 0.0, std), rel=1e-5)
+    # scoring the stored sample gives the same log-prob, and a sample off the subspace scores only its projection
+    again = flow_grpo_sde_step(x, v, S, S_NEXT, noise_level=a, prev_sample=out.sample, lowpass=1)
+    assert again.log_prob.item() == pytest.approx(out.log_prob.item(), rel=1e-6)
+    # the policy gradient reaches the velocity only in the explored direction: equal on all four pixels,
+    # d log p / d v = (c / std^2) * (d c / d v) with d c / d v_i = (dt / 2) (1 + std_dev^2 (1 - S) / (2 S)), over 1 coordinate
+    v_grad = v.clone().requires_grad_(True)
+    flow_grpo_sde_step(x, v_grad, S, S_NEXT, noise_level=a, prev_sample=out.sample, lowpass=1).log_prob.sum().backward()
+    expect = c / std**2 * dt / 2 * (1 + std_dev**2 * (1 - S) / (2 * S))
+    assert v_grad.grad.flatten().tolist() == pytest.approx([expect] * 4, rel=1e-4)
+    off = out.sample + torch.tensor([1.0, -1.0, -1.0, 1.0]).reshape(1, 1, 2, 2)  # the highest frequency only
+    assert flow_grpo_sde_step(x, v, S, S_NEXT, noise_level=a, prev_sample=off, lowpass=1).log_prob.item() == \
+        pytest.approx(out.log_prob.item(), rel=1e-5)
+
+
+def test_lowpass_noise_from_the_config(tiny_adapter, tmp_path):
+    """sampler.noise_lowpass reaches the rollout (every SDE step's residual lies in the k x k subspace, and its
+    high frequencies are the ODE step's) and the update (ratio 1 on the first update); a k above the latent's side
+    or the cps kernel is refused in one line."""
+    from flowrl.config import load_config, validate
+    from flowrl.engine import kernel_options, rollout
+    from flowrl.errors import ConfigError
+    from flowrl.samplers import RolloutPlan, StepSpec
+    from flowrl.samplers.kernels import lowpass_project
+    from flowrl.trainer import Trainer
+
+    sig = static_shift_sigmas(4, 3.0)
+    plan = RolloutPlan([StepSpec(sde=True, trained=True) for _ in range(4)], roots_per_prompt=2)
+    cond = tiny_adapter.encode_prompts(["a cat"])
+    options = kernel_options(load_config(None, ["sampler.noise_lowpass=4"]))
+    assert options == {"lowpass": 4}
+    tree = rollout(tiny_adapter, cond, plan, sig, (3, 16, 16), kernel="flow_grpo", noise_level=0.7,
+                   generator=torch.Generator().manual_seed(0), kernel_options=options, store_mean=True)
+    for r in range(1, 4):
+        resid = tree.latents[r] - tree.mean[r]  # (2, 3, 16, 16)
+        assert resid.abs().max() > 1e-3  # noise was drawn ...
+        assert torch.allclose(lowpass_project(resid, 4), resid, atol=1e-5)  # ... only in the 4 x 4 lowest frequencies
+
+    base = [f"log.output_dir={tmp_path}", "log.progress=false", "sampler.num_steps=4", "train.prompts_per_iter=1",
+            "log.sample_every=0", "log.save_every=0"]
+    trainer = Trainer(load_config(None, base + ["sampler.noise_lowpass=4"]))
+    assert trainer.iteration(0)["ratio_max_abs_dev_first_update"] < 1e-5
+    with pytest.raises(ConfigError, match="noise_lowpass=99"):
+        Trainer(load_config(None, base + ["sampler.noise_lowpass=99", "log.run_name=too-wide"]))
+    with pytest.raises(ConfigError, match="cps kernel"):
+        validate(load_config(None, ["sampler.noise_lowpass=4", "sampler.kernel=cps"]))
