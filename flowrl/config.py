@@ -103,6 +103,8 @@ class SamplerConfig:
     noise_lowpass: int = opt(0, "k > 0: SDE noise only in the k x k lowest spatial DCT frequencies of the latent "
                              "(ODE in every other direction; flow_grpo and dance kernels); 0: noise in every "
                              "direction", lo=0)
+    noise_lowpass_skip_dc: bool = opt(False, "with noise_lowpass: leave each channel's constant term (a global colour "
+                                      "shift, which a shape reward cannot credit) to the ODE")
     cps_log_prob: str = opt("gaussian", "cps kernel: the true Gaussian log-prob, or the paper's and Flow-GRPO's "
                             "unnormalised -(x' - mean)^2 (published CPS clip ranges assume it)",
                             choices=["gaussian", "published"])
@@ -596,6 +598,9 @@ def validate(cfg: Config) -> None:
     if cfg.train.grpo_guard and cfg.sampler.kernel != "flow_grpo":
         raise ConfigError(f"train.grpo_guard: GRPO-Guard normalises Flow-SDE transitions; set sampler.kernel=flow_grpo "
                           f"(not {cfg.sampler.kernel}) or train.grpo_guard=false")
+    if cfg.sampler.noise_lowpass_skip_dc and cfg.sampler.noise_lowpass < 2:
+        raise ConfigError(f"sampler.noise_lowpass_skip_dc: needs sampler.noise_lowpass of at least 2 (it is "
+                          f"{cfg.sampler.noise_lowpass}), or sampler.noise_lowpass_skip_dc=false")
     if cfg.sampler.noise_lowpass and cfg.sampler.kernel == "cps":
         raise ConfigError("sampler.noise_lowpass: the cps kernel has no score correction to restrict; use "
                           "sampler.kernel=flow_grpo or dance, or sampler.noise_lowpass=0")

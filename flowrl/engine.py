@@ -191,7 +191,7 @@ def kernel_options(cfg) -> dict:
     if cfg.sampler.kernel == "cps" and cfg.sampler.cps_log_prob == "published":
         return {"published_log_prob": True}
     if cfg.sampler.noise_lowpass:
-        return {"lowpass": cfg.sampler.noise_lowpass}
+        return {"lowpass": cfg.sampler.noise_lowpass, "lowpass_skip_dc": cfg.sampler.noise_lowpass_skip_dc}
     return {}
 
 

@@ -70,40 +70,51 @@ def dct_lowpass_basis(size: int, k: int, device: str = "cpu") -> torch.Tensor:
     return basis.float().to(device)
 
 
-def lowpass_coords(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Coordinates of x in the k x k lowest spatial DCT frequencies of its last two axes: (..., H, W) -> (..., k, k)."""
+def lowpass_coords(x: torch.Tensor, k: int, skip_dc: bool = False) -> torch.Tensor:
+    """Coordinates of x in the k x k lowest spatial DCT frequencies of its last two axes, flattened:
+    (..., H, W) -> (..., k * k), or (..., k * k - 1) without the constant (0, 0) term when ``skip_dc``."""
     bh = dct_lowpass_basis(x.shape[-2], k, str(x.device))
     bw = dct_lowpass_basis(x.shape[-1], k, str(x.device))
-    return torch.einsum("fh,...hw,gw->...fg", bh, x, bw)
+    coords = torch.einsum("fh,...hw,gw->...fg", bh, x, bw).flatten(-2)
+    return coords[..., 1:] if skip_dc else coords
 
 
-def lowpass_project(x: torch.Tensor, k: int) -> torch.Tensor:
+def lowpass_project(x: torch.Tensor, k: int, skip_dc: bool = False) -> torch.Tensor:
     """The orthogonal projection of x onto those frequencies, back on its own grid: (..., H, W) -> (..., H, W)."""
     bh = dct_lowpass_basis(x.shape[-2], k, str(x.device))
     bw = dct_lowpass_basis(x.shape[-1], k, str(x.device))
-    return torch.einsum("fh,...fg,gw->...hw", bh, lowpass_coords(x, k), bw)
+    coords = torch.einsum("fh,...hw,gw->...fg", bh, x, bw)  # (..., k, k)
+    if skip_dc:
+        keep = torch.ones(k, k, device=x.device)
+        keep[0, 0] = 0.0
+        coords = coords * keep
+    return torch.einsum("fh,...fg,gw->...hw", bh, coords, bw)
 
 
-def _finish_lowpass(ode_mean, mean, std, noise, prev_sample, reduce, k) -> StepOutput:
-    """The transition restricted to the k x k lowest spatial frequencies: there it is the SDE's Gaussian
-    (same drift correction, same std per direction); in every other direction it is the ODE step, exactly.
+def _finish_lowpass(ode_mean, mean, std, noise, prev_sample, reduce, k, skip_dc) -> StepOutput:
+    """The transition restricted to the k x k lowest spatial frequencies (less the constant term with
+    ``skip_dc``): there it is the SDE's Gaussian (same drift correction, same std per direction); in every other
+    direction it is the ODE step, exactly.
 
     Why: the policy gradient of a full-rank pixel-space Gaussian pushes the mean along each sample's white
     noise, and the reward only sees its low frequencies; the high-frequency rest averages out only slowly and
     is learnt as texture. Exploring in a low-frequency subspace removes that component from the gradient and
     cuts the action's dimension (k^2 C instead of H W C), so the likelihood-ratio estimate is far less noisy.
-    Marginals are kept: the SDE's score correction is applied in exactly the directions that get noise.
-    The log-prob is the Gaussian density of the action's subspace coordinates (reduced over the k^2 C of them).
+    A channel's constant term is a global colour shift, which no shape reward can credit; ``skip_dc`` leaves it
+    to the ODE so that it cannot drift into a tint. Marginals are kept: the SDE's score correction is applied in
+    exactly the directions that get noise. The log-prob is the Gaussian density of the action's subspace
+    coordinates (reduced over the k^2 C of them).
     """
-    mean = ode_mean + lowpass_project(mean - ode_mean, k)
+    mean = ode_mean + lowpass_project(mean - ode_mean, k, skip_dc)
     if prev_sample is None:
         if noise is None:
             raise ValueError("an SDE step needs either `noise` (to sample) or `prev_sample` (to score)")
-        sample = mean + std * lowpass_project(noise.float(), k)
+        sample = mean + std * lowpass_project(noise.float(), k, skip_dc)
     else:
         sample = prev_sample.float()
-    # the action's coordinates and the mean's: (B, C, [F,] k, k); the log-prob's gradient flows through the mean's
-    log_prob = gaussian_log_prob(lowpass_coords(sample.detach(), k), lowpass_coords(mean, k), std, reduce)
+    # the action's coordinates and the mean's: (B, C, [F,] k^2); the log-prob's gradient flows through the mean's
+    log_prob = gaussian_log_prob(lowpass_coords(sample.detach(), k, skip_dc), lowpass_coords(mean, k, skip_dc),
+                                 std.flatten(-2), reduce)
     return StepOutput(sample, mean, std, log_prob)
 
 
@@ -140,6 +151,7 @@ def flow_grpo_sde_step(
     prev_sample: torch.Tensor | None = None,
     reduce: str = "mean",
     lowpass: int = 0,
+    lowpass_skip_dc: bool = False,
 ) -> StepOutput:
     """Flow-GRPO SDE (Euler-Maruyama of the marginal-preserving SDE with g = a sqrt(sigma / (1 - sigma))).
 
@@ -156,7 +168,7 @@ def flow_grpo_sde_step(
     mean = x * (1 + std_dev**2 / (2 * s) * dt) + v * (1 + std_dev**2 * (1 - s) / (2 * s)) * dt
     std = std_dev * torch.sqrt(-dt)
     if lowpass:
-        return _finish_lowpass(x + dt * v, mean, std, noise, prev_sample, reduce, lowpass)
+        return _finish_lowpass(x + dt * v, mean, std, noise, prev_sample, reduce, lowpass, lowpass_skip_dc)
     return _finish(mean, std, noise, prev_sample, reduce)
 
 
@@ -170,6 +182,7 @@ def dance_sde_step(
     prev_sample: torch.Tensor | None = None,
     reduce: str = "mean",
     lowpass: int = 0,
+    lowpass_skip_dc: bool = False,
     **_,
 ) -> StepOutput:
     """DanceGRPO SDE: the same drift as Flow-GRPO's with a constant diffusion coefficient eta.
@@ -183,7 +196,7 @@ def dance_sde_step(
     mean = x + dt * v - 0.5 * eta**2 * score * dt
     std = (eta * torch.sqrt(-dt)).clamp_min(1e-8)
     if lowpass:
-        return _finish_lowpass(x + dt * v, mean, std, noise, prev_sample, reduce, lowpass)
+        return _finish_lowpass(x + dt * v, mean, std, noise, prev_sample, reduce, lowpass, lowpass_skip_dc)
     return _finish(mean, std, noise, prev_sample, reduce)
 
 
@@ -225,16 +238,19 @@ KERNELS = {"ode": ode_step, "flow_grpo": flow_grpo_sde_step, "dance": dance_sde_
 
 
 def step(kind: str, x, v, sigma, sigma_next, *, noise_level: float, sigma_at_one=None, noise=None,
-         prev_sample=None, reduce: str = "mean", published_log_prob: bool = False, lowpass: int = 0) -> StepOutput:
+         prev_sample=None, reduce: str = "mean", published_log_prob: bool = False, lowpass: int = 0,
+         lowpass_skip_dc: bool = False) -> StepOutput:
     """Dispatch one transition by kernel name; ``noise_level`` is a for flow_grpo/cps and eta for dance;
-    ``lowpass`` (flow_grpo, dance) restricts the noise to that many lowest spatial frequencies per axis."""
+    ``lowpass`` (flow_grpo, dance) restricts the noise to that many lowest spatial frequencies per axis
+    (``lowpass_skip_dc``: less the constant term)."""
     if kind == "ode":
         return ode_step(x, v, sigma, sigma_next)
     if kind == "flow_grpo":
         return flow_grpo_sde_step(x, v, sigma, sigma_next, noise_level, sigma_at_one, noise, prev_sample, reduce,
-                                  lowpass)
+                                  lowpass, lowpass_skip_dc)
     if kind == "dance":
-        return dance_sde_step(x, v, sigma, sigma_next, noise_level, noise, prev_sample, reduce, lowpass)
+        return dance_sde_step(x, v, sigma, sigma_next, noise_level, noise, prev_sample, reduce, lowpass,
+                              lowpass_skip_dc)
     if kind == "cps":
         return cps_step(x, v, sigma, sigma_next, noise_level, noise, prev_sample, reduce, published_log_prob)
     raise ValueError(f"unknown step kernel {kind!r}; choose one of {sorted(KERNELS)}")

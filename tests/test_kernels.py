@@ -230,7 +230,7 @@ def test_lowpass_noise_from_the_config(tiny_adapter, tmp_path):
     plan = RolloutPlan([StepSpec(sde=True, trained=True) for _ in range(4)], roots_per_prompt=2)
     cond = tiny_adapter.encode_prompts(["a cat"])
     options = kernel_options(load_config(None, ["sampler.noise_lowpass=4"]))
-    assert options == {"lowpass": 4}
+    assert options == {"lowpass": 4, "lowpass_skip_dc": False}
     tree = rollout(tiny_adapter, cond, plan, sig, (3, 16, 16), kernel="flow_grpo", noise_level=0.7,
                    generator=torch.Generator().manual_seed(0), kernel_options=options, store_mean=True)
     for r in range(1, 4):
@@ -246,3 +246,24 @@ def test_lowpass_noise_from_the_config(tiny_adapter, tmp_path):
         Trainer(load_config(None, base + ["sampler.noise_lowpass=99", "log.run_name=too-wide"]))
     with pytest.raises(ConfigError, match="cps kernel"):
         validate(load_config(None, ["sampler.noise_lowpass=4", "sampler.kernel=cps"]))
+    with pytest.raises(ConfigError, match="at least 2"):
+        validate(load_config(None, ["sampler.noise_lowpass_skip_dc=true"]))
+
+
+def test_lowpass_noise_without_the_constant_term():
+    """noise_lowpass_skip_dc: the residual keeps each channel's pixel mean at the ODE step's (no global colour
+    shift), still lies in the k x k subspace, and the action has k^2 - 1 coordinates per channel."""
+    from flowrl.samplers.kernels import lowpass_coords, lowpass_project
+
+    g = torch.Generator().manual_seed(1)
+    x, v, n = (torch.randn(2, 3, 8, 8, generator=g) for _ in range(3))
+    out = flow_grpo_sde_step(x, v, S, S_NEXT, noise=n, lowpass=3, lowpass_skip_dc=True)
+    ode = ode_step(x, v, S, S_NEXT).sample
+    resid = out.sample - out.mean
+    assert torch.allclose(resid.mean(dim=(-2, -1)), torch.zeros(2, 3), atol=1e-6)
+    assert torch.allclose((out.mean - ode).mean(dim=(-2, -1)), torch.zeros(2, 3), atol=1e-6)
+    assert torch.allclose(lowpass_project(resid, 3), resid, atol=1e-5) and resid.abs().max() > 1e-2
+    coords = lowpass_coords(resid, 3, skip_dc=True)  # (2, 3, 8)
+    assert coords.shape == (2, 3, 8)
+    expect = (-coords**2 / (2 * out.std.flatten(-2) ** 2) - torch.log(out.std.flatten(-2)) - 0.5 * math.log(2 * math.pi))
+    assert torch.allclose(out.log_prob, expect.mean(dim=(1, 2)), atol=1e-5)
