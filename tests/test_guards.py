@@ -21,7 +21,7 @@ def run_dir(out: Path) -> Path:
 
 
 def test_a_collapsing_run_stops_early_and_ends_with_its_best_weights(tmp_path, capsys):
-    """The main job at 30x its learning rate: the held-out curve falls by more than the allowed drop at its
+    """The main job at 60x its learning rate: the held-out curve falls by more than the allowed drop at its
     second point, the run stops there, and the weights it ends with (evaluated as 'after', exported in
     checkpoints/best) are the best point's: the pretrained ones, evaluated exactly as 'before'."""
     code = main(["train", str(ROOT / "configs" / "tiny_default.yaml"), "train.iterations=12", "train.lr=6e-3",
