@@ -150,8 +150,8 @@ def test_main_job_raises_heldout_accuracy(tmp_path):
     run, ev = run_shipped_job("tiny_default.yaml", tmp_path)
     assert ev["after"]["all"] > ev["before"]["all"] + 0.02, ev
     assert ev["after"]["reward"] > ev["before"]["reward"], ev
-    # the KL keeps the backgrounds clean: the stated margin is 1.5 (three seeds: +1.2 / -0.1 / +0.8; gains +12.8 /
-    # +6.5 / +8.6 points; with the KL at 0.04 instead of 0.2, seed 0: +2.6)
+    # the KL keeps the backgrounds clean: the stated margin is 1.5 (seeds 0-4: +1.2 / -0.1 / +0.8 / +1.5 / +1.7, so
+    # seed 4 exceeds it; gains +12.8 / +6.5 / +8.6 / +4.9 / +4.7 points; with the KL at 0.04, seed 0: +2.6)
     assert ev["after"]["background_noise"] - ev["before"]["background_noise"] < 1.5, ev
     for name in ("reward_curve.png", "before_after.png", "metrics.jsonl"):
         assert (run / name).is_file()
