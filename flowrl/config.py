@@ -170,6 +170,12 @@ class TrainConfig:
     kl_reference: str = opt("initial", "the KL's reference: initial (the starting weights: LoRA disabled, or a frozen "
                             "copy under full fine-tuning) or ema (the EMA of the trained weights; needs train.ema)",
                             choices=["initial", "ema"])
+    kl_untrained_beta: float = opt(0.0, "KL to the reference at the steps the window does not train: each update "
+                                   "draws train.kl_untrained_states of the rollout's states whose next step is "
+                                   "untrained (ODE) and adds beta x their mean KL of the full-rank SDE transition at "
+                                   "sampler.noise_level. The weights are shared by all steps, so training the window "
+                                   "also moves the others (background texture drawn late); this holds them", lo=0.0)
+    kl_untrained_states: int = opt(16, "untrained states drawn per optimizer step for train.kl_untrained_beta", lo=1)
     kl_std: str = opt("transition", "std dividing the KL's mean difference: the transition's full std (ours), or "
                       "Flow-GRPO's std without the sqrt(|dt|) factor (so its published beta values carry over)",
                       choices=["transition", "flow_grpo"])
@@ -604,7 +610,11 @@ def validate(cfg: Config) -> None:
     if cfg.sampler.noise_lowpass and cfg.sampler.kernel == "cps":
         raise ConfigError("sampler.noise_lowpass: the cps kernel has no score correction to restrict; use "
                           "sampler.kernel=flow_grpo or dance, or sampler.noise_lowpass=0")
-    if cfg.train.kl_beta > 0 and cfg.train.kl_reference == "ema" and not cfg.train.ema.enabled:
+    if cfg.train.kl_untrained_beta > 0 and cfg.sampler.noise_level <= 0:
+        raise ConfigError("train.kl_untrained_beta: the KL of an untrained step uses the SDE transition at "
+                          "sampler.noise_level, which is 0; set sampler.noise_level > 0 or train.kl_untrained_beta=0")
+    if (cfg.train.kl_beta > 0 or cfg.train.kl_untrained_beta > 0) and cfg.train.kl_reference == "ema" \
+            and not cfg.train.ema.enabled:
         raise ConfigError("train.kl_reference=ema: the reference is the EMA of the weights; set "
                           "train.ema.enabled=true or train.kl_reference=initial")
     if cfg.train.kl_beta > 0 and cfg.train.kl_std == "flow_grpo" and cfg.sampler.kernel == "cps":

@@ -89,7 +89,7 @@ class Policy:
             self.ema = EMAModel(self.params, decay=t.ema.decay)  # decay min((1+n)/(10+n), d) = Flow-GRPO's
         self.adapter = adapter
         self.old = None  # the old (sampling) policy's weights, where the algorithm keeps one
-        self.kl_reference = t.kl_reference if t.kl_beta > 0 else None
+        self.kl_reference = t.kl_reference if t.kl_beta > 0 or t.kl_untrained_beta > 0 else None
         self.frozen = None  # full fine-tuning's reference: a frozen copy of the starting weights (2x the memory)
         if self.kl_reference == "initial" and not self.lora:
             import copy

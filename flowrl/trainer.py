@@ -474,6 +474,37 @@ class Trainer:
         step_index = parent_index[pos.cpu()]
         return logp, old.to(dev), adv, kl, step_index, loss_and_ratio
 
+    def untrained_states(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+        """(round, position) of every child node whose edge the plan leaves untrained (an ODE step of the
+        rollout): its parent is the state, the child's grid index the step's end. (K,), (K,)."""
+        rounds, pos = [], []
+        for r in range(1, tree.num_rounds + 1):
+            p = torch.nonzero(~tree.trained[r]).flatten()
+            rounds.append(torch.full_like(p, r))
+            pos.append(p)
+        return torch.cat(rounds), torch.cat(pos)
+
+    def _untrained_kl(self, tree: Tree, cond, rounds: torch.Tensor, child: torch.Tensor) -> torch.Tensor:
+        """Per state (K,): the KL between the trained and the reference policy's full-rank SDE transitions at
+        sampler.noise_level from the parents of the given untrained edges (train.kl_untrained_beta)."""
+        cfg, dev = self.cfg, self.device
+        parent = tree.gather(tree.parent, rounds, child)
+        x = tree.gather(tree.latents, rounds - 1, parent).to(dev)  # (K, *latent)
+        s = tree.sigmas[tree.gather(tree.index, rounds - 1, parent)]
+        s_next = tree.sigmas[tree.gather(tree.index, rounds, child)]
+        rows = tree.gather(tree.group, rounds - 1, parent).to(dev)
+        g = cfg.sampler.guidance_scale if cfg.train.cfg else 1.0
+        with torch.no_grad(), self.policy.reference(), self.accelerator.autocast():
+            v_ref = self.adapter.velocity(x, s.to(dev), cond.index(rows), g, self.negative)
+        with self.accelerator.autocast():
+            v = self.adapter.velocity(x, s.to(dev), cond.index(rows), g, self.negative)  # (K, *latent)
+        nxt = tree.gather(tree.latents, rounds, child).to(dev)  # scored only because the kernel asks for a sample
+        step = dict(noise_level=cfg.sampler.noise_level, sigma_at_one=float(tree.sigmas[1]), prev_sample=nxt)
+        out = kernel_step(cfg.sampler.kernel, x, v, s, s_next, **step)
+        ref = kernel_step(cfg.sampler.kernel, x, v_ref, s, s_next, **step)
+        std = kl_std(cfg.train.kl_std, out.std, s.to(dev), s_next.to(dev))
+        return gaussian_kl_same_std(out.mean, ref.mean, std)
+
     def _fused_objective(self):
         """The compiled per-edge objective where ``train.fused_loss`` asks for it and the rows are edges (GRPO-Guard
         rewrites the log-ratio, so it keeps the eager path); else None."""
@@ -500,7 +531,8 @@ class Trainer:
                  "kl_loss": 0.0, "grad_norm": 0.0, "ratio_max_abs_dev_first_update": 0.0, "work_items": len(items)}
         if not items:
             return stats
-        ratios, clipped, kls, pls, approx, steps, grad_norms = [], [], [], [], [], [], []
+        ratios, clipped, kls, pls, approx, steps, grad_norms, ukls = [], [], [], [], [], [], [], []
+        untrained = self.untrained_states(tree) if cfg.train.kl_untrained_beta > 0 else None
         first = True
         for _ in range(cfg.train.inner_epochs):
             order = torch.randperm(len(items), generator=gen).tolist()
@@ -530,6 +562,14 @@ class Trainer:
                     pls.append(loss_r.detach())
                     approx.append(0.5 * (logp.detach() - old) ** 2)
                     steps.append(step)
+                if cfg.train.kl_untrained_beta > 0 and len(untrained[0]):  # states of the untrained steps
+                    pick = torch.randperm(len(untrained[0]), generator=gen)[:cfg.train.kl_untrained_states]
+                    mine = torch.tensor(self.procs.share(pick.tolist()), dtype=torch.long)
+                    if len(mine):
+                        ukl = self._untrained_kl(tree, cond, untrained[0][mine], untrained[1][mine])
+                        self.accelerator.backward(cfg.train.kl_untrained_beta * ukl.sum() / len(pick))
+                        stats["nfe_train"] += len(mine)
+                        ukls.append(ukl.detach())
                 self.procs.sum_gradients(self.policy.params)
                 if first:
                     dev_first = float((torch.cat(mb_ratios) - 1).abs().max()) if mb_ratios else 0.0
@@ -552,6 +592,8 @@ class Trainer:
             "policy_loss": float(torch.cat(pls).mean()), "kl_loss": float(torch.cat(kls).mean()),
             "grad_norm": sum(grad_norms) / len(grad_norms), "mean_abs_log_ratio": float(r.log().abs().mean()),
         })
+        if untrained is not None:  # this process's states (the mean differs little across processes)
+            stats["kl_untrained"] = float(torch.cat(ukls).mean()) if ukls else 0.0
         for step_idx in d.unique().tolist():
             stats[f"ratio_mean/step{step_idx}"] = float(r[d == step_idx].mean())
         if not math.isfinite(stats["grad_norm"]):

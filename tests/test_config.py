@@ -174,9 +174,10 @@ def test_a_run_config_saved_before_the_per_algorithm_layout_still_loads(capsys):
     algorithm's sub-section listed): it reads as the same run, so old run folders sample, evaluate and resume."""
     old = load_config(ROOT / "tests/data/config_before_2026_12.yaml")
     assert "layout before 2026-12" in capsys.readouterr().err
-    # the main job's training settings of that time (before the KL guard and the low-pass noise of 2026-12-04)
+    # the main job's training settings of that time (before the KL guards and the low-pass noise of 2026-12-04)
     now = load_config(ROOT / "configs/tiny_default.yaml", ["train.iterations=120", "train.lr=2e-4", "train.kl_beta=0",
-                                                           "sampler.noise_lowpass=0", "algorithm.shared_noise=false"])
+                                                           "sampler.noise_lowpass=0", "algorithm.shared_noise=false",
+                                                           "train.kl_untrained_beta=0"])
     assert old.algorithm == now.algorithm and old.sampler == now.sampler and old.train == now.train
     import yaml
 

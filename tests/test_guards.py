@@ -21,7 +21,7 @@ def run_dir(out: Path) -> Path:
 
 
 def test_a_collapsing_run_stops_early_and_ends_with_its_best_weights(tmp_path, capsys):
-    """The main job at 60x its learning rate: the held-out curve falls by more than the allowed drop at its
+    """The main job at 30x its learning rate: the held-out curve falls by more than the allowed drop at its
     second point, the run stops there, and the weights it ends with (evaluated as 'after', exported in
     checkpoints/best) are the best point's: the pretrained ones, evaluated exactly as 'before'."""
     code = main(["train", str(ROOT / "configs" / "tiny_default.yaml"), "train.iterations=12", "train.lr=6e-3",
@@ -184,3 +184,60 @@ def test_grpo_guard_trains_with_ratio_one_first_and_needs_flow_sde(tmp_path):
         assert torch.equal(tree.mean[r], tree.latents[r])
     with pytest.raises(ConfigError, match="set sampler.kernel=flow_grpo"):
         load_config(None, ["train.grpo_guard=true", "sampler.kernel=dance"])
+
+
+def test_kl_at_the_untrained_steps_by_hand(tmp_path):
+    """train.kl_untrained_beta: with a window of one trained step, the states drawn are those of the ODE steps
+    after it (3 of 4 steps x 2 leaves = 6 here), and each one's KL equals the Flow-SDE closed form
+    mean((dv)^2) * (1 + sig^2 (1 - t) / (2t))^2 |dt| / (2 sig^2), sig = a sqrt(t / (1 - t)), with dv the trained
+    minus the reference velocity. 0 on the first update (policy == reference), positive after it."""
+    from flowrl.trainer import Trainer
+
+    a = 0.7
+    cfg = load_config(None, ["train.lora.enabled=false", "train.kl_untrained_beta=1.0", "train.kl_untrained_states=4",
+                             "algorithm.name=flow_grpo_fast", "algorithm.window.size=1", "algorithm.window.start=0",
+                             f"sampler.noise_level={a}", "sampler.kernel=flow_grpo", "sampler.guidance_scale=1.0",
+                             "train.lr=1e-2", "sampler.num_steps=4", "train.prompts_per_iter=1",
+                             "algorithm.group_size=2", f"log.output_dir={tmp_path}", "log.run_name=u",
+                             "log.sample_every=0", "log.save_every=0", "log.progress=false"])
+    trainer = Trainer(cfg)
+    seen = []
+    plain = trainer._untrained_kl
+
+    def record(tree, cond, rounds, child):
+        out = plain(tree, cond, rounds, child)
+        seen.append((tree, cond, rounds, child, out.detach()))
+        return out
+
+    trainer._untrained_kl = record
+    first = trainer.iteration(0)
+    assert first["kl_untrained"] == 0.0 and first["nfe_train"] == 2 + 4  # 2 trained edges + 4 drawn states
+    tree = seen[0][0]
+    rounds, child = trainer.untrained_states(tree)
+    assert rounds.tolist() == [2, 2, 3, 3, 4, 4] and not tree.trained[2].any() and tree.trained[1].all()
+    second = trainer.iteration(1)
+    assert second["kl_untrained"] > 0
+    tree, cond, rounds, child, kl = seen[1]
+    assert len(kl) == 4 and set(rounds.tolist()) <= {2, 3, 4}
+    parent = torch.stack([tree.parent[r][c] for r, c in zip(rounds.tolist(), child.tolist())])
+    x = torch.stack([tree.latents[r - 1][p] for r, p in zip(rounds.tolist(), parent.tolist())])
+    t = torch.stack([tree.sigmas[tree.index[r - 1][p]] for r, p in zip(rounds.tolist(), parent.tolist())])
+    t_next = torch.stack([tree.sigmas[tree.index[r][c]] for r, c in zip(rounds.tolist(), child.tolist())])
+    rows = torch.stack([tree.group[r - 1][p] for r, p in zip(rounds.tolist(), parent.tolist())])
+    with torch.no_grad():
+        v = trainer.adapter.velocity(x, t, cond.index(rows))
+        with trainer.policy.reference():
+            v_ref = trainer.adapter.velocity(x, t, cond.index(rows))
+        now = plain(tree, cond, rounds, child)  # with the weights as they are now (one more step was taken)
+    dv2 = ((v - v_ref) ** 2).flatten(1).mean(1)
+    sig2 = a**2 * t / (1 - t)
+    expect = dv2 * (1 + sig2 * (1 - t) / (2 * t)) ** 2 * (t - t_next) / (2 * sig2)
+    assert (expect > 1e-8).all()
+    torch.testing.assert_close(now, expect, rtol=1e-4, atol=0)
+
+
+def test_kl_at_untrained_steps_is_refused_where_it_cannot_apply():
+    with pytest.raises(ConfigError, match="train.kl_untrained_beta: .* sampler.noise_level, which is 0"):
+        load_config(None, ["train.kl_untrained_beta=0.2", "sampler.noise_level=0"])
+    with pytest.raises(ConfigError, match="train.kl_untrained_beta: diffusion_nft trains on the forward process"):
+        load_config(None, ["train.kl_untrained_beta=0.2", "algorithm.name=diffusion_nft"])

@@ -77,6 +77,10 @@ class DiffusionNFT(FlowGRPO):
         if cfg.train.grpo_guard:
             raise ConfigError("train.grpo_guard: diffusion_nft has no transition ratios to normalise; set "
                               "train.grpo_guard=false")
+        if cfg.train.kl_untrained_beta > 0:
+            raise ConfigError("train.kl_untrained_beta: diffusion_nft trains on the forward process, where "
+                              "train.kl_beta already compares the velocities at every timestep it draws; set "
+                              "train.kl_untrained_beta=0")
         if cfg.advantage.zero_variance == "drop_refill":
             raise ConfigError("advantage.zero_variance=drop_refill: diffusion_nft trains every clean sample (a group "
                               "of equal rewards has r = 1/2 everywhere); use zero_variance=zero")
