@@ -424,13 +424,7 @@ class Trainer:
         parent_index = tree.gather(tree.index, p_rnd, p_pos)
         sig = tree.sigmas[parent_index].to(dev)
         rows = tree.gather(tree.group, p_rnd, p_pos).to(dev)
-        g = cfg.sampler.guidance_scale if cfg.train.cfg else 1.0
-        v_ref = None
-        if cfg.train.kl_beta > 0:  # first: an EMA reference swaps weights in place, which must not touch v's graph
-            with torch.no_grad(), self.policy.reference(), self.accelerator.autocast():
-                v_ref = self.adapter.velocity(x, sig, cond.index(rows), g, self.negative)
-        with self.accelerator.autocast():
-            v = self.adapter.velocity(x, sig, cond.index(rows), g, self.negative)  # (U, *latent)
+        v, v_ref = self._velocities(x, sig, cond.index(rows), cfg.train.kl_beta > 0)  # (U, *latent) each
         # expand parents to their child edges: (E,) per-edge parent slot, child round and position
         pos = torch.tensor([i for i, u in enumerate(units) for _ in u.children], device=dev)
         rnd = torch.tensor([u.depth + 1 for u in units for _ in u.children])
@@ -467,10 +461,8 @@ class Trainer:
                 mean_old = tree.gather(tree.mean, rnd[m], child[m]).to(dev)
                 logp[md] = old[m].to(dev) + guard_log_ratio(out.log_prob, old[m].to(dev), out.mean, mean_old, out.std)
             if v_ref is not None:
-                ref = kernel_step(cfg.sampler.kernel, x[pos[md]], v_ref[pos[md]], s[m], s_next[m], noise_level=lv,
-                                  sigma_at_one=sigma_at_one, prev_sample=prev[md], **options)
-                std = kl_std(cfg.train.kl_std, out.std, s[m].to(dev), s_next[m].to(dev))
-                kl[md] = gaussian_kl_same_std(out.mean, ref.mean, std)
+                kl[md] = self._kl_to_reference(out, x[pos[md]], v_ref[pos[md]], s[m], s_next[m], prev[md], lv,
+                                               sigma_at_one, options)
         step_index = parent_index[pos.cpu()]
         return logp, old.to(dev), adv, kl, step_index, loss_and_ratio
 
@@ -493,15 +485,33 @@ class Trainer:
         s = tree.sigmas[tree.gather(tree.index, rounds - 1, parent)]
         s_next = tree.sigmas[tree.gather(tree.index, rounds, child)]
         rows = tree.gather(tree.group, rounds - 1, parent).to(dev)
-        g = cfg.sampler.guidance_scale if cfg.train.cfg else 1.0
-        with torch.no_grad(), self.policy.reference(), self.accelerator.autocast():
-            v_ref = self.adapter.velocity(x, s.to(dev), cond.index(rows), g, self.negative)
-        with self.accelerator.autocast():
-            v = self.adapter.velocity(x, s.to(dev), cond.index(rows), g, self.negative)  # (K, *latent)
+        v, v_ref = self._velocities(x, s.to(dev), cond.index(rows), True)  # (K, *latent) each
         nxt = tree.gather(tree.latents, rounds, child).to(dev)  # scored only because the kernel asks for a sample
-        step = dict(noise_level=cfg.sampler.noise_level, sigma_at_one=float(tree.sigmas[1]), prev_sample=nxt)
-        out = kernel_step(cfg.sampler.kernel, x, v, s, s_next, **step)
-        ref = kernel_step(cfg.sampler.kernel, x, v_ref, s, s_next, **step)
+        level, sigma_at_one = cfg.sampler.noise_level, float(tree.sigmas[1])
+        out = kernel_step(cfg.sampler.kernel, x, v, s, s_next, noise_level=level, sigma_at_one=sigma_at_one,
+                          prev_sample=nxt)
+        return self._kl_to_reference(out, x, v_ref, s, s_next, nxt, level, sigma_at_one, {})  # full rank: no options
+
+    def _velocities(self, x: torch.Tensor, sigma: torch.Tensor, cond, with_reference: bool):
+        """(v, v_ref or None) at the states x (N, *latent): the policy's velocity with its graph, and the KL
+        reference's without one. The reference goes first: an EMA reference swaps the weights in place, which must
+        not touch v's graph."""
+        g = self.cfg.sampler.guidance_scale if self.cfg.train.cfg else 1.0
+        v_ref = None
+        if with_reference:
+            with torch.no_grad(), self.policy.reference(), self.accelerator.autocast():
+                v_ref = self.adapter.velocity(x, sigma, cond, g, self.negative)
+        with self.accelerator.autocast():
+            v = self.adapter.velocity(x, sigma, cond, g, self.negative)
+        return v, v_ref
+
+    def _kl_to_reference(self, out, x, v_ref, s, s_next, prev, noise_level: float, sigma_at_one: float,
+                         options: dict) -> torch.Tensor:
+        """Per transition (N,): the Gaussian KL between the policy's step ``out`` (kernel_step's result from x) and
+        the reference's step with velocity v_ref, over the same std (train.kl_std)."""
+        cfg, dev = self.cfg, self.device
+        ref = kernel_step(cfg.sampler.kernel, x, v_ref, s, s_next, noise_level=noise_level, sigma_at_one=sigma_at_one,
+                          prev_sample=prev, **options)
         std = kl_std(cfg.train.kl_std, out.std, s.to(dev), s_next.to(dev))
         return gaussian_kl_same_std(out.mean, ref.mean, std)
 
