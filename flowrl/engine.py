@@ -217,7 +217,13 @@ def sibling_noise(shape: tuple[int, ...], branch: int, mode: str, strength: floa
 
     ``correlated`` is BranchGRPO's marginal-preserving construction: each child's noise is N(0, I) and two
     siblings have correlation 1 / (1 + s^2). ``scaled`` multiplies independent noise by s (released code).
+    ``antithetic`` mirrors: sibling b + branch/2 gets exactly minus sibling b's N(0, I) draw (each child is still
+    N(0, I)), so a group's score-function gradient is a sum of differences of mirrored pairs, from which the
+    reward's even-order terms in the action cancel.
     """
+    if mode == "antithetic" and branch > 1:
+        half = _randn((shape[0] // branch, branch // 2, *shape[1:]), generator)  # (parents, branch/2, C, H, W)
+        return torch.cat([half, -half], dim=1).reshape(shape)  # siblings b and b + branch/2 mirrored
     eps = _randn(shape, generator)
     if branch == 1 or mode == "independent":
         return eps

@@ -103,8 +103,6 @@ def plot_reward_curve(run_dir: Path) -> Path | None:
     panels = ["total"] + components if len(components) > 1 else ["total"]
     evals = {}
     if (run_dir / "eval.json").is_file():  # held-out accuracy before / after, next to the training reward
-        import json
-
         evals = {k: v for k, v in json.loads((run_dir / "eval.json").read_text()).items() if isinstance(v, dict)}
     fig, axes = plt.subplots(1, len(panels) + bool(evals), figsize=(4.5 * (len(panels) + bool(evals)), 3.4),
                              squeeze=False)
@@ -123,9 +121,12 @@ def plot_reward_curve(run_dir: Path) -> Path | None:
     axes[0][0].legend(fontsize=7)
     if evals:
         ax = axes[0][-1]
-        where = {"before": 0, "after": rows[-1]["iteration"] + 1}
+        where, label = {"before": 0, "after": rows[-1]["iteration"] + 1}, "full evaluation"
+        best = json.loads((run_dir / "best.json").read_text()) if (run_dir / "best.json").is_file() else {}
+        if best.get("ended_with"):  # the run ended with its best curve point's weights: "after" is drawn there
+            where["after"], label = best["iteration"], f"full evaluation (after: iteration {best['iteration']}'s weights)"
         points = [(where[k], 100 * v["all"]) for k, v in evals.items() if k in where and "all" in v]
-        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color="C2", label="full evaluation")
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color="C2", label=label)
         curve = read_metrics(run_dir / "eval_curve.jsonl")
         if curve:  # the periodic points use fewer seeds: noisier, drawn thinner
             unit = "videos" if "videos" in curve[0] else "images"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SIBLING_NOISE = ("independent", "correlated", "scaled")
+SIBLING_NOISE = ("independent", "correlated", "scaled", "antithetic")
 
 
 @dataclass
@@ -36,6 +36,7 @@ class StepSpec:
     #   independent: iid N(0, I) each;
     #   correlated:  xi_b = (xi_0 + s * eta_b) / sqrt(1 + s^2), xi_0 shared by the siblings (marginal N(0, I));
     #   scaled:      s * eps_b, log-prob still under the unscaled std (the released BranchGRPO code, s = 4)
+    #   antithetic:  eps_{b + branch/2} = -eps_b (mirrored pairs; each N(0, I); an even branch)
     sibling_noise: str = "independent"
     sibling_strength: float = 4.0
 
@@ -65,6 +66,8 @@ class RolloutPlan:
                 raise ValueError(f"step {i}: side_granularities must be positive strides")
             if s.sibling_noise not in SIBLING_NOISE:
                 raise ValueError(f"step {i}: sibling_noise must be one of {SIBLING_NOISE}")
+            if s.sibling_noise == "antithetic" and s.branch % 2:
+                raise ValueError(f"step {i}: antithetic sibling noise needs an even branch, not {s.branch}")
 
     @property
     def num_steps(self) -> int:

@@ -148,7 +148,7 @@ def test_saved_config_holds_only_the_algorithms_options(tmp_path):
     cfg = load_config(ROOT / "configs/tiny_flow_grpo.yaml")
     save_config(cfg, tmp_path / "c.yaml")
     algo = yaml.safe_load((tmp_path / "c.yaml").read_text())["algorithm"]
-    assert set(algo) == {"name", "group_size", "shared_noise", "window", "timestep_fraction"}
+    assert set(algo) == {"name", "group_size", "shared_noise", "antithetic", "window", "timestep_fraction"}
     assert load_config(tmp_path / "c.yaml") == cfg  # and it loads back to the same config
     branch = load_config(ROOT / "configs/tiny_branch_grpo.yaml")
     save_config(branch, tmp_path / "b.yaml")

@@ -73,6 +73,37 @@ def test_dance_shared_noise_is_one_root_branching_g(tiny_adapter, tmp_path):
     assert not masks[5].any()
 
 
+def test_antithetic_siblings_mirror_the_shared_step(tiny_adapter, tmp_path):
+    """algorithm.antithetic: the G children of a shared root take mirrored SDE noises (sibling b and b + G/2), so
+    each pair's samples sit symmetrically about their common mean and have equal log-probs; in the low-pass kernel
+    too (the projection is linear)."""
+    import pytest
+
+    from flowrl.engine import kernel_options
+    from flowrl.errors import ConfigError
+
+    for lowpass in (0, 4):
+        cfg = make_cfg(tmp_path, "algorithm.name=flow_grpo_fast", "algorithm.shared_noise=true",
+                       "algorithm.antithetic=true", "algorithm.group_size=4", "algorithm.window.size=1",
+                       "sampler.num_steps=4", f"sampler.noise_lowpass={lowpass}")
+        plan = make_algorithm(cfg).plan(0)
+        assert plan.steps[0].branch == 4 and plan.steps[0].sibling_noise == "antithetic"
+        tree = rollout(tiny_adapter, tiny_adapter.encode_prompts(PROMPTS), plan, make_sigmas("static_shift", 4, 3.0),
+                       tiny_adapter.latent_shape(16), kernel="flow_grpo", noise_level=0.7,
+                       generator=torch.Generator().manual_seed(0), kernel_options=kernel_options(cfg))
+        x1 = tree.latents[1].view(2, 2, 2, -1)  # (prompt, mirrored half, sibling in the half, latent)
+        pair_sums = x1[:, 0] + x1[:, 1]  # = 2 x the siblings' shared SDE mean, for every pair
+        assert torch.allclose(pair_sums[:, 0], pair_sums[:, 1], atol=1e-5)
+        assert not torch.allclose(x1[:, 0], x1[:, 1], atol=1e-3)
+        lp = tree.log_prob[1].view(2, 2, 2)
+        assert torch.allclose(lp[:, 0], lp[:, 1], atol=1e-5)
+        assert not torch.allclose(lp[:, :, 0], lp[:, :, 1], atol=1e-5)  # the two pairs are different draws
+    with pytest.raises(ConfigError, match="algorithm.antithetic: .* set algorithm.shared_noise=true"):
+        make_cfg(tmp_path, "algorithm.antithetic=true", "algorithm.shared_noise=false")
+    with pytest.raises(ConfigError, match="algorithm.group_size=5 must be even"):
+        make_cfg(tmp_path, "algorithm.antithetic=true", "algorithm.shared_noise=true", "algorithm.group_size=5")
+
+
 def test_mix_window_plans(tmp_path):
     cfg = make_cfg(tmp_path, "algorithm.name=mix_grpo", "sampler.num_steps=10", "algorithm.window.size=3",
                    "algorithm.window.placement=progressive", "algorithm.window.iters_per_shift=2",

@@ -150,6 +150,11 @@ def test_correlated_sibling_noise_is_marginal_preserving():
     assert corr == pytest.approx(1 / (1 + s**2), abs=0.03)
     scaled = sibling_noise((40000, 2), 2, "scaled", 4.0, torch.Generator().manual_seed(0))
     assert scaled.std().item() == pytest.approx(4.0, rel=0.03)
+    mirrored = sibling_noise((40000, 2), 4, "antithetic", 0.0, torch.Generator().manual_seed(0)).view(10000, 4, 2)
+    assert torch.equal(mirrored[:, 2:], -mirrored[:, :2])  # sibling b + 2 = -sibling b, exactly
+    assert mirrored.var().item() == pytest.approx(1.0, abs=0.03)  # each child still N(0, I)
+    corr = torch.corrcoef(torch.stack([mirrored[:, 0, 0], mirrored[:, 1, 0]]))[0, 1].item()
+    assert abs(corr) < 0.03  # the two halves' own draws are independent
 
 
 # ------------------------------------------------------------------------------------------- E-GRPO

@@ -39,6 +39,9 @@ class GroupOptions(AlgorithmOptions):
 class WindowedOptions(GroupOptions):
     shared_noise: bool = opt(False, "all G samples of a prompt start from the same noise (DanceGRPO); the group "
                              "branches at the first SDE step")
+    antithetic: bool = opt(False, "with shared_noise and an even group: the group's first-SDE-step noises come in "
+                           "mirrored pairs (eps, -eps), each still N(0, I), so the reward's even-order terms in "
+                           "that step's action cancel out of the policy gradient")
     window: WindowOptions = field(default_factory=WindowOptions)
 
 

@@ -24,6 +24,7 @@ import torch
 
 from ..advantages import group_advantages
 from ..config import opt
+from ..errors import ConfigError
 from ..samplers import RolloutPlan, StepSpec
 from ..trackers import BetaTracker
 from .base import AlgorithmContext, Unit, WindowedOptions, check_window, window_start
@@ -55,6 +56,14 @@ class FlowGRPO:
     def check(cls, cfg) -> None:
         """Cross-field checks, run at config load (before a model is loaded or a file written)."""
         check_window(cfg, required=cls.window_required)
+        a = cfg.algorithm
+        if getattr(a, "antithetic", False):
+            if not getattr(a, "shared_noise", False):
+                raise ConfigError("algorithm.antithetic: mirrored noise pairs the samples of one shared initial "
+                                  "noise; set algorithm.shared_noise=true")
+            if a.group_size % 2:
+                raise ConfigError(f"algorithm.antithetic: the group is split into mirrored pairs; "
+                                  f"algorithm.group_size={a.group_size} must be even")
 
     # ------------------------------------------------------------------------------------------ prompts
     def choose_prompts(self, ctx: AlgorithmContext, it: int, gen: torch.Generator, row: dict):
@@ -84,6 +93,8 @@ class FlowGRPO:
         roots, shared = self.group()
         if shared:  # one root per prompt that branches G ways at the first SDE step
             steps[sde.index(True)].branch = roots
+            if getattr(o, "antithetic", False):
+                steps[sde.index(True)].sibling_noise = "antithetic"
             roots = 1
         return RolloutPlan(steps, roots_per_prompt=roots, notes=notes)
 
