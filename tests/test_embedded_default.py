@@ -143,7 +143,7 @@ def test_tiny_clip_scores_matching_captions_higher():
 
 @pytest.mark.slow
 def test_main_job_raises_heldout_accuracy(tmp_path):
-    """The main job exactly as shipped (configs/tiny_default.yaml, about 13 minutes alone on two cores): held-out
+    """The main job exactly as shipped (configs/tiny_default.yaml, about 15 minutes alone on two cores): held-out
     all-three accuracy and held-out reward after fine-tuning beat the shipped model's (measured on three training
     seeds: see README) without dirtying the backgrounds by more than the stated margin, and the run writes its
     curve and before | after grid."""
