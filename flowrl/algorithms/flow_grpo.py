@@ -92,9 +92,10 @@ class FlowGRPO:
         steps = [StepSpec(sde=s, trained=tr) for s, tr in zip(sde, trained)]
         roots, shared = self.group()
         if shared:  # one root per prompt that branches G ways at the first SDE step
-            steps[sde.index(True)].branch = roots
-            if getattr(o, "antithetic", False):
-                steps[sde.index(True)].sibling_noise = "antithetic"
+            first_sde = steps[sde.index(True)]
+            first_sde.branch = roots
+            if getattr(o, "antithetic", False):  # only the windowed options have it (SuperFlow's do not)
+                first_sde.sibling_noise = "antithetic"
             roots = 1
         return RolloutPlan(steps, roots_per_prompt=roots, notes=notes)
 
