@@ -7,6 +7,7 @@ half-written checkpoint. Weights load only as safetensors or ``torch.load(weight
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -38,8 +39,10 @@ def save_checkpoint(ckpt_dir: Path, adapter, transformer, optimizer, iteration: 
     tmp.mkdir()
     try:
         _write_checkpoint(tmp, adapter, transformer, optimizer, iteration, lora, ema, extra, tensors)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
+        if not isinstance(exc, OSError) and _disk_full(exc):  # safetensors reports a full disk as its own error
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(ckpt_dir)) from exc
         raise
     if ckpt_dir.exists():
         shutil.rmtree(ckpt_dir)
@@ -49,6 +52,13 @@ def save_checkpoint(ckpt_dir: Path, adapter, transformer, optimizer, iteration: 
     for old in ckpts[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return ckpt_dir
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """Whether a library's own exception (safetensors: ``IoError(Os { code: 28, kind: StorageFull ... })``) says
+    the disk is full."""
+    text = str(exc)
+    return "StorageFull" in text or f"os error {errno.ENOSPC}" in text or f"code: {errno.ENOSPC}," in text
 
 
 def _write_checkpoint(tmp: Path, adapter, transformer, optimizer, iteration: int, lora: bool, ema, extra,
@@ -247,3 +257,39 @@ def load_trainer_state(ckpt_dir: Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise FlowRLError(f"{path}: unreadable trainer state ({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
+
+
+def find_resume_checkpoint(cfg, run_dir=None) -> Path:
+    """The checkpoint ``resume`` names: ``latest`` (the newest intact one of the run folder ``run_dir`` or
+    log.output_dir / log.run_name) or a checkpoint folder."""
+    from .errors import ConfigError
+
+    if cfg.resume == "latest":
+        base = Path(run_dir) if run_dir else (Path(cfg.log.output_dir) / cfg.log.run_name if cfg.log.run_name else None)
+        if base is None:
+            raise ConfigError("resume=latest needs log.run_name (the run to continue)")
+        ckpt = latest_checkpoint(base)
+        if ckpt is None:
+            raise ConfigError(f"resume=latest: no intact checkpoint under {base}/checkpoints")
+        return ckpt
+    try:
+        return find_checkpoint(cfg.resume)
+    except FlowRLError as exc:
+        raise ConfigError(f"resume: {exc}") from exc
+
+
+def load_run_state(ckpt: Path, policy, algorithm, cfg) -> None:
+    """Everything a resumed run continues from: the weights, optimizer, EMA and old-policy copies into ``policy``
+    and the algorithm's own state (trackers, curricula)."""
+    (load_lora_into if cfg.train.lora.enabled else load_full_into)(policy.module, ckpt, cfg)
+    state = load_trainer_state(ckpt)
+    try:
+        policy.optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise FlowRLError(f"{ckpt}: its optimizer state does not fit this model ({str(exc).splitlines()[0]}); "
+                          "resume with the run's own config.yaml") from exc
+    if policy.ema is not None and "ema" in state:
+        policy.ema.load_state_dict(state["ema"])
+    if policy.old is not None and "old_policy" in state:
+        policy.old = [t.to(p.device) for t, p in zip(state["old_policy"], policy.params)]
+    algorithm.load_state_dict(json.loads((ckpt / "state.json").read_text()).get("algorithm_state", {}))

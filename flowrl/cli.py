@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from .cli_types import Parser, positive_int
+from .registry import COMMANDS, resolve
 from .errors import FlowRLError
 
 
@@ -50,6 +52,15 @@ def cmd_train(args) -> int:
     return 0
 
 
+def parse_seeds(text: str, flag: str = "--seeds") -> list[int]:
+    """``0,1,2`` -> [0, 1, 2]; anything else is one line naming the part that is not a whole number."""
+    parts = [p.strip() for p in text.split(",")]
+    bad = [p for p in parts if not p.lstrip("-").isdigit()]
+    if bad:
+        raise FlowRLError(f"{flag} {text}: {bad[0]!r} is not a whole number; give comma-separated seeds such as 0,1,2,3")
+    return [int(p) for p in parts]
+
+
 def _checkpoint_and_config(args, default_config: Path | None = None):
     """(checkpoint folder or None, config): a run directory means the weights it ended with (checkpoints/best when
     log.keep_best restored them, else its latest checkpoint; or the one after ``--iteration``), and the run's own
@@ -65,11 +76,22 @@ def _checkpoint_and_config(args, default_config: Path | None = None):
     return ckpt, load_config(args.config or ckpt.parent.parent / "config.yaml", args.overrides)
 
 
+DEFAULT_PRESET = "tiny_shapes_flow_grpo.yaml"  # what `flowrl eval` evaluates with no config: the shipped model
+
+
+def _evaluator(cfg):
+    """The config's held-out evaluator (log.eval), or one line saying to choose one."""
+    from .registry import EVALUATORS
+
+    if cfg.log.eval == "none":
+        raise FlowRLError("flowrl eval: the config has no held-out evaluator; give a config with log.eval set, or "
+                          "--prompts / --reward for a reward table")
+    return resolve(EVALUATORS, cfg.log.eval, "log.eval")()
+
+
 def _split_name(split: str, cfg) -> str:
-    """--split heldout / train -> the prompt set of the config's domain (moving-shapes-* for the video model)."""
-    if split.startswith(("shapes-", "moving-shapes-")):
-        return split
-    return f"moving-shapes-{split}" if cfg.log.eval == "moving-shapes" else f"shapes-{split}"
+    """--split heldout / train -> the prompt set the config's evaluator names for it (or a prompt set by name)."""
+    return getattr(_evaluator(cfg), "splits", {}).get(split, split) if cfg.log.eval != "none" else split
 
 
 def _load_checkpoint_into(adapter, cfg, ckpt: Path) -> None:
@@ -100,7 +122,7 @@ def cmd_sample(args) -> int:
         from .prompts import DEFAULT_TINY_PROMPTS
 
         prompts = DEFAULT_TINY_PROMPTS[:4]
-    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else cfg.data.sample_seeds
+    seeds = parse_seeds(args.seeds) if args.seeds else cfg.data.sample_seeds
     out = Path(args.out)
     if out.exists() and not args.overwrite:
         raise FlowRLError(f"--out {out} exists; choose another path or pass --overwrite")
@@ -138,7 +160,7 @@ def cmd_rank(args) -> int:
     for d in args.runs:
         if not Path(d).is_dir():
             raise FlowRLError(f"{d}: not a directory")
-    table, baseline = rank_runs([Path(d) for d in args.runs], args.baseline)
+    table, baseline = rank_runs([Path(d) for d in args.runs], args.baseline, metric=args.metric)
     text = format_rank_table(table, baseline)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -196,15 +218,15 @@ def cmd_bench(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    """Held-out accuracy (shapes, or moving shapes for a config with log.eval: moving-shapes) of the shipped model
-    (no arguments) or of a run's checkpoint; with
+    """The config's held-out evaluation (log.eval; one JSON line) of the shipped model (no arguments: the main
+    job's preset) or of a run's checkpoint; with
     --prompts / --reward, the papers' reward table (mean and std per metric) on a prompt file, also as CSV."""
     from .evaluate import format_table, reward_table
     from .models import load_adapter
     from .report import write_csv
     from .sampling import Sampler, resolve_device
 
-    ckpt, cfg = _checkpoint_and_config(args, Path("tiny_shapes_flow_grpo.yaml"))
+    ckpt, cfg = _checkpoint_and_config(args, Path(DEFAULT_PRESET))
     table_mode = bool(args.prompts or args.reward)
     if table_mode:  # everything that can fail on bad input before any sampling
         from .rundir import check_writable
@@ -231,18 +253,16 @@ def cmd_eval(args) -> int:
         specs = ([RewardSpec(name=n, args=reward_args[i] if i < len(reward_args) else {}) for i, n in enumerate(names)]
                  or cfg.rewards)
         reward_set = build_reward_set(specs)
+    seeds = parse_seeds(args.seeds) if args.seeds else cfg.log.eval_seeds
+    evaluator = None if table_mode else _evaluator(cfg)
     adapter = load_adapter(cfg.model, resolve_device(cfg.device))
     if ckpt is not None:
         _load_checkpoint_into(adapter, cfg, ckpt)
-    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else cfg.log.eval_seeds
     sampler = Sampler(cfg, adapter, num_steps=args.steps, guidance_scale=args.cfg)
     info = {"model": cfg.model.pretrained, "checkpoint": str(ckpt) if ckpt else None, "steps": len(sampler.sigmas) - 1,
             "guidance_scale": sampler.guidance_scale}
     if not table_mode:
-        from .shapes.evaluate import moving_shapes_accuracy, shapes_accuracy
-
-        accuracy = moving_shapes_accuracy if cfg.log.eval == "moving-shapes" else shapes_accuracy
-        result = accuracy(sampler, seeds, split=_split_name(args.split, cfg))
+        result = evaluator(sampler, seeds, split=args.split)
         result.update(info)
         print(json.dumps(result))
         return 0
@@ -268,33 +288,17 @@ def cmd_presets(args) -> int:
     return 0
 
 
-def cmd_pretrain_tiny(args) -> int:
-    from .shapes.pretrain import pretrain_tiny
+def cmd_config(args) -> int:
+    """``config schema``: the JSON Schema of config files; ``config explain KEY``: one key's type, default, range
+    and description."""
+    from .config import explain, json_schema
 
-    pretrain_tiny(args.work_dir, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                  save_every=args.save_every, grid_every=args.grid_every, export_dir=args.export_dir,
-                  decay_from=args.decay_from, lr_final=args.lr_final, init_from=args.init_from,
-                  eval_every=args.eval_every)
-    return 0
-
-
-def cmd_pretrain_tiny_video(args) -> int:
-    from .shapes.pretrain_video import pretrain_tiny_video
-
-    pretrain_tiny_video(args.work_dir, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                        save_every=args.save_every, eval_every=args.eval_every, export_dir=args.export_dir,
-                        decay_from=args.decay_from, lr_final=args.lr_final, shift=args.shift,
-                        init_from=args.init_from, motion_weight=args.motion_weight,
-                        high_noise_expert=args.high_noise_expert, boundary=args.boundary,
-                        patch_size=tuple(args.patch_size) if args.patch_size else None)
-    return 0
-
-
-def cmd_pretrain_tiny_clip(args) -> int:
-    from .shapes.tiny_clip import pretrain_tiny_clip
-
-    print(json.dumps(pretrain_tiny_clip(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                                        export_dir=args.export_dir)))
+    if args.action == "schema":
+        print(json.dumps(json_schema(), indent=1))
+    else:
+        if not args.key:
+            raise FlowRLError("flowrl config explain needs a KEY, e.g. flowrl config explain train.kl_beta")
+        print(explain(args.key))
     return 0
 
 
@@ -311,35 +315,8 @@ def cmd_serve_reward(args) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
-def _unit_interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must lie strictly between 0 and 1")
-    return value
-
-
-class _Parser(argparse.ArgumentParser):
-    """Bad command-line arguments end in one line, like every other flowrl error."""
-
-    def error(self, message):
-        self.exit(2, f"flowrl: error: {self.prog}: {message} (see {self.prog} --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="flowrl", description="GRPO fine-tuning of flow-matching models.")
+    p = Parser(prog="flowrl", description="GRPO fine-tuning of flow-matching models.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="fine-tune with a config file and key.sub=value overrides")
     t.add_argument("config", nargs="?", help="YAML config (defaults: the tiny model, JPEG reward)")
@@ -363,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--x", default="iteration", choices=["iteration", "nfe", "rollouts", "time"])
     c.add_argument("--metric", default="reward_mean/total",
                    help="a logged metric, or heldout/all / heldout/reward (the log.eval_every curve)")
-    c.add_argument("--smoothing", type=_positive_int, default=1, help="moving-average window in points (>= 1)")
+    c.add_argument("--smoothing", type=positive_int, default=1, help="moving-average window in points (>= 1)")
     c.add_argument("--out", default="compare")
     c.add_argument("--band", choices=["minmax", "se"], default="minmax",
                    help="seed band: min-max, or +-1 standard error of the mean")
@@ -373,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     rk.add_argument("runs", nargs="+", help="run directories (runs differing only in train.seed form one preset)")
     rk.add_argument("--baseline", help="the preset label compared against (default: the first run's)")
     rk.add_argument("--out", default="rank", help="folder for rank.csv and rank.md")
+    rk.add_argument("--metric", default=None, help="the held-out number to rank by (default: the evaluator's headline, "
+                    "named in each run's eval.json)")
     rk.set_defaults(func=cmd_rank)
     b = sub.add_parser("bench", help="time one iteration; rollout batched vs max_batch=1; several configs side by "
                        "side with ratios to the first (JSON)")
@@ -385,9 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     bg = sub.add_parser("bench-gpu", help="SD3.5-Medium- and FLUX.1-sized transformers (random weights, real configs): "
                         "LoRA GRPO update step and flat / tree rollouts; time, images/s, TFLOP/s, MFU, peak memory")
     bg.add_argument("--families", nargs="+", default=["sd35m", "flux1"], choices=["sd35m", "flux1"])
-    bg.add_argument("--resolutions", nargs="+", type=_positive_int, default=[512, 1024])
-    bg.add_argument("--batch", type=_positive_int, default=4, help="edges per update step")
-    bg.add_argument("--prompts", type=_positive_int, default=2, help="prompts per rollout (16 leaves each)")
+    bg.add_argument("--resolutions", nargs="+", type=positive_int, default=[512, 1024])
+    bg.add_argument("--batch", type=positive_int, default=4, help="edges per update step")
+    bg.add_argument("--prompts", type=positive_int, default=2, help="prompts per rollout (16 leaves each)")
     bg.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense bf16 peak (H100/H200 SXM: 989)")
     bg.add_argument("--tiny", action="store_true", help="shrunken models at 64 px: the same code path on a CPU")
     bg.add_argument("--out", help="also write the rows to this JSON file")
@@ -397,9 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("overrides", nargs="*")
     e.add_argument("--checkpoint", help="checkpoint folder or run directory (LoRA or full fine-tuning)")
     e.add_argument("--iteration", type=int, help="with a run directory: the checkpoint saved after this iteration")
-    e.add_argument("--split", default="heldout", choices=["heldout", "train", "shapes-heldout", "shapes-train",
-                                                          "moving-shapes-heldout", "moving-shapes-train"],
-                   help="held-out or training captions of the config's domain (log.eval: shapes or moving-shapes)")
+    e.add_argument("--split", default="heldout",
+                   help="heldout or train: the captions the config's evaluator (log.eval) holds out or trains on; or "
+                        "a prompt set by name")
     e.add_argument("--seeds", help="comma-separated seeds (default log.eval_seeds)")
     e.add_argument("--steps", type=int)
     e.add_argument("--cfg", type=float, help="guidance scale (default sampler.guidance_scale)")
@@ -411,51 +390,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval)
     ps = sub.add_parser("presets", help="list the shipped configs (usable by name from any folder)")
     ps.set_defaults(func=cmd_presets)
-    pt = sub.add_parser("pretrain-tiny", help="pretrain the embedded tiny model on the shapes domain (CPU, resumable)")
-    pt.add_argument("--work-dir", default="runs/pretrain-tiny", help="state, grids; rerun to resume")
-    pt.add_argument("--steps", type=int, default=4000)
-    pt.add_argument("--batch", type=int, default=32)
-    pt.add_argument("--lr", type=float, default=1e-3)
-    pt.add_argument("--seed", type=int, default=0)
-    pt.add_argument("--save-every", type=int, default=250)
-    pt.add_argument("--grid-every", type=int, default=500)
-    pt.add_argument("--export-dir", default=None, help="default: assets/tiny_shapes")
-    pt.add_argument("--decay-from", type=int, default=None,
-                    help="step at which a cosine learning-rate decay starts (ends at --steps); default constant")
-    pt.add_argument("--lr-final", type=float, default=0.1, help="final learning rate as a fraction of --lr")
-    pt.add_argument("--init-from", default=None,
-                    help="an exported tiny shapes model folder (e.g. assets/tiny_shapes) to continue pretraining: its "
-                         "weights start the run and the EMA, with a fresh optimizer; the export records it")
-    pt.add_argument("--eval-every", type=int, default=0,
-                    help="held-out accuracy of the EMA weights (24 captions x 4 seeds) every that many steps, "
-                         "printed and kept in <work-dir>/progress.jsonl; 0 = none")
-    pt.set_defaults(func=cmd_pretrain_tiny)
-    pv = sub.add_parser("pretrain-tiny-video", help="pretrain the embedded tiny video model on the moving-shapes "
-                        "domain (CPU, resumable)")
-    pv.add_argument("--work-dir", default="runs/pretrain-tiny-video", help="state, grids, progress; rerun to resume")
-    pv.add_argument("--steps", type=int, default=6000)
-    pv.add_argument("--batch", type=int, default=32)
-    pv.add_argument("--lr", type=float, default=1e-3)
-    pv.add_argument("--seed", type=int, default=0)
-    pv.add_argument("--save-every", type=int, default=250)
-    pv.add_argument("--eval-every", type=int, default=1000, help="held-out readout and video grid every N steps")
-    pv.add_argument("--export-dir", default=None, help="default: assets/tiny_moving_shapes")
-    pv.add_argument("--decay-from", type=int, default=None,
-                    help="step at which a cosine learning-rate decay starts (ends at --steps); default constant")
-    pv.add_argument("--lr-final", type=float, default=0.1, help="final learning rate as a fraction of --lr")
-    pv.add_argument("--shift", type=float, default=1.0, help="time shift of the training sigmas and the exported "
-                    "scheduler (3 puts more training at high noise, where the layout is decided)")
-    pv.add_argument("--init-from", help="warm start: the transformer of an earlier run's state folder "
-                    "(<work-dir>/state) or exported model folder; its text encoder too when the shapes match")
-    pv.add_argument("--motion-weight", type=float, default=0.0,
-                    help="extra weight on the frame-to-frame differences of the flow-matching target")
-    pv.add_argument("--patch-size", type=_positive_int, nargs=3, metavar=("T", "H", "W"),
-                    help="the transformer's patch (default 1 4 4); 4 4 4 puts the four frames in every token")
-    pv.add_argument("--high-noise-expert", help="an exported model folder: train a Wan 2.2-style low-noise expert "
-                    "for it (sigmas below --boundary, its text encoder frozen) and export the two-expert model")
-    pv.add_argument("--boundary", type=_unit_interval, default=0.875, help="the two experts' boundary in sigma (Wan "
-                    "2.2 text-to-video: 0.875)")
-    pv.set_defaults(func=cmd_pretrain_tiny_video)
+    cf = sub.add_parser("config", help="config reference: `schema` prints the JSON Schema of config files (for editors), "
+                                       "`explain KEY` a key's type, default, range and description")
+    cf.add_argument("action", choices=["schema", "explain"])
+    cf.add_argument("key", nargs="?", help="explain: a dotted key such as train.kl_beta")
+    cf.set_defaults(func=cmd_config)
     sr = sub.add_parser("serve-reward", help="serve a reward over HTTP (POST /score) for the `remote` reward")
     sr.add_argument("name", help="registered reward name or module:function")
     sr.add_argument("--args", help="the reward's keyword arguments as a JSON object")
@@ -464,13 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("--max-mb", type=float, default=64.0, help="largest request body accepted, in MiB")
     sr.set_defaults(func=cmd_serve_reward)
 
-    pc = sub.add_parser("pretrain-tiny-clip", help="train the tiny shapes CLIP (open_clip architecture) on the CPU")
-    pc.add_argument("--steps", type=int, default=1500)
-    pc.add_argument("--batch", type=int, default=64)
-    pc.add_argument("--lr", type=float, default=1e-3)
-    pc.add_argument("--seed", type=int, default=0)
-    pc.add_argument("--export-dir", default=None, help="default: assets/tiny_clip")
-    pc.set_defaults(func=cmd_pretrain_tiny_clip)
+    for name in sorted(COMMANDS):  # commands that plug-ins register (the tiny demo's pretraining among them)
+        resolve(COMMANDS, name, "command")(sub)
     return p
 
 

@@ -231,8 +231,8 @@ class LogConfig:
     eval_seeds: list[int] = opt([0, 1, 2, 3, 4, 5, 6, 7], "seeds per held-out prompt")
     eval_every: int = opt(0, "iterations between held-out curve points in eval_curve.jsonl (0 = none)", lo=0)
     eval_curve_seeds: int = opt(4, "the curve uses the first N of eval_seeds (cheaper than the full evaluation)", lo=1)
-    best_metric: str = opt("all", "the held-out curve's number to maximise (a key of the evaluator's result) for "
-                           "the best checkpoint and early stopping")
+    best_metric: str = opt("", "the held-out curve's number to maximise (a key of the evaluator's result) for "
+                           "the best checkpoint and early stopping; empty = the evaluator's headline number")
     keep_best: bool = opt(True, "with log.eval_every: keep the weights of the best curve point in checkpoints/best "
                           "and end the run with them (the 'after' evaluation, the last grid)")
     early_stop_patience: int = opt(0, "stop after this many curve points in a row without a new best (0 = never)",
@@ -506,6 +506,25 @@ def apply_override(data: dict, text: str) -> dict:
     return data
 
 
+class _DuplicateKey(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key that appears twice in one mapping (plain YAML keeps the later one, so a
+    second ``train:`` block would silently replace the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(f"key {key!r} appears twice in one mapping (lines {seen[key] + 1} and "
+                                    f"{key_node.start_mark.line + 1}); keep one and merge the settings into it")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load YAML (or defaults), apply overrides, validate; raises ConfigError with one clear line."""
     data: dict = {}
@@ -518,7 +537,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                               "see `flowrl presets`)")
         path = found
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+        except _DuplicateKey as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
         except UnicodeDecodeError as exc:
             raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save the config as UTF-8") from exc
         except yaml.YAMLError as exc:
@@ -630,3 +651,114 @@ def to_dict(cfg) -> dict:
 
 def save_config(cfg: Config, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+# --------------------------------------------------------------------------------------------- schema
+def _field_schema(tp, meta: dict | None = None) -> dict:
+    """JSON Schema of one annotation, with the field's description, range and choices from its metadata."""
+    meta = meta or {}
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        options = [_field_schema(a) for a in typing.get_args(tp) if a is not type(None)]
+        out = {"anyOf": options + [{"type": "null"}]} if type(None) in typing.get_args(tp) else {"anyOf": options}
+    elif tp is AlgorithmOptions:
+        out = _algorithm_schema()
+    elif dataclasses.is_dataclass(tp):
+        out = _dataclass_schema(tp)
+    elif origin is list:
+        out = {"type": "array", "items": _field_schema(typing.get_args(tp)[0])}
+    elif origin is dict:
+        out = {"type": "object"}
+    else:
+        out = {bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"},
+               str: {"type": "string"}}.get(tp, {})
+    if meta.get("doc"):
+        out["description"] = meta["doc"]
+    if meta.get("choices") is not None:
+        out["enum"] = list(meta["choices"]) + ([False] if "no" in meta["choices"] else [])  # YAML 1.1 `no`
+    if meta.get("lo") is not None:
+        out["exclusiveMinimum" if meta.get("lo_open") else "minimum"] = meta["lo"]
+    if meta.get("hi") is not None:
+        out["maximum"] = meta["hi"]
+    return out
+
+
+def _dataclass_schema(cls, title: str | None = None) -> dict:
+    hints = typing.get_type_hints(cls)
+    props = {}
+    for f in dataclasses.fields(cls):
+        props[f.name] = _field_schema(hints[f.name], dict(f.metadata))
+        if f.default is not dataclasses.MISSING:
+            props[f.name]["default"] = f.default
+        elif f.default_factory is not dataclasses.MISSING and not dataclasses.is_dataclass(hints[f.name]):
+            default = f.default_factory()
+            props[f.name]["default"] = [dataclasses.asdict(d) if dataclasses.is_dataclass(d) else d for d in default] \
+                if isinstance(default, list) else default
+    out = {"type": "object", "properties": props, "additionalProperties": False}
+    if title or cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}("):
+        out["title"] = title or cls.__name__
+    return out
+
+
+def _algorithm_schema() -> dict:
+    """The ``algorithm`` section: one alternative per registered algorithm, chosen by ``name`` (a discriminated
+    union: its options are that algorithm's only)."""
+    from .registry import ALGORITHMS, algorithm_class
+
+    alternatives = []
+    for name in sorted(ALGORITHMS):
+        options = algorithm_class(name).Options
+        alt = _dataclass_schema(options, title=name)
+        alt["properties"]["name"] = {"const": name, "description": AlgorithmOptions.__dataclass_fields__["name"]
+                                     .metadata["doc"]}
+        alt["required"] = ["name"] if name != AlgorithmOptions.name else []
+        alternatives.append(alt)
+    return {"description": "the algorithm (name) and its own options", "oneOf": alternatives}
+
+
+def json_schema() -> dict:
+    """The JSON Schema of a config file (draft 2020-12): editors complete and check YAML with it
+    (``# yaml-language-server: $schema=flowrl.schema.json``). Each key carries its description, default, range
+    and choices."""
+    schema = _dataclass_schema(Config, title="flowrl config")
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
+
+
+def explain(key: str) -> str:
+    """A key's type, default, range or choices and description, for ``flowrl config explain KEY``."""
+    cls, parts, f, owner = Config, key.split("."), None, ""
+    for depth, part in enumerate(parts):
+        if cls is AlgorithmOptions:  # the options of the algorithms that have this key (the default one first)
+            from .registry import ALGORITHMS, algorithm_class
+
+            names = sorted(ALGORITHMS, key=lambda n: n != AlgorithmOptions.name)
+            having = [n for n in names if part in {x.name for x in dataclasses.fields(algorithm_class(n).Options)}]
+            if not having:
+                raise ConfigError(f"{key}: no algorithm has the option {part!r} (see `flowrl config schema`)")
+            cls = algorithm_class(having[0]).Options
+            owner = f" (an option of {', '.join(having)})" if part != "name" else ""
+        fields = {x.name: x for x in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if part not in fields:
+            raise _unknown(key, Config, "")
+        f = fields[part]
+        tp = typing.get_type_hints(cls)[part]
+        if depth < len(parts) - 1:
+            if not (dataclasses.is_dataclass(tp) or tp is AlgorithmOptions):
+                raise _unknown(key, Config, "")
+            cls = tp
+    if dataclasses.is_dataclass(tp):
+        return f"{key}: a section with keys {', '.join(x.name for x in dataclasses.fields(tp))}"
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if isinstance(default, list):
+        default = [dataclasses.asdict(d) if dataclasses.is_dataclass(d) else d for d in default]
+    meta = f.metadata
+    lines = [f"{key}{owner}", f"  type: {_type_name(tp)}", f"  default: {yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}"]
+    if meta.get("choices") is not None:
+        lines.append(f"  choices: {', '.join(map(str, meta['choices']))}")
+    if meta.get("lo") is not None or meta.get("hi") is not None:
+        lo = "" if meta.get("lo") is None else f"{'>' if meta.get('lo_open') else '>='} {meta['lo']}"
+        hi = "" if meta.get("hi") is None else f"<= {meta['hi']}"
+        lines.append(f"  range: {' and '.join(x for x in (lo, hi) if x)}")
+    if meta.get("doc"):
+        lines.append(f"  {meta['doc']}")
+    return "\n".join(lines)

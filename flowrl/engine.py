@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Generator
 
+import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,25 +28,65 @@ from .samplers.kernels import step as kernel_step
 
 
 @dataclass
+class Round:
+    """The nodes one round of the rollout created (round 0: the roots), each with the edge into it."""
+
+    latents: torch.Tensor  # (N, *latent) fp32
+    index: torch.Tensor  # (N,) long, grid index of the node (sigma = sigmas[index])
+    group: torch.Tensor  # (N,) long, prompt row in this batch
+    root: torch.Tensor  # (N,) long, id of the node's root (prompt * roots + k)
+    lineage: torch.Tensor  # (N,) long, index where a side branch began; -1 = main line
+    parent: torch.Tensor  # (N,) long, position in the previous round (-1 in round 0)
+    log_prob: torch.Tensor  # (N,) old log-prob of the edge into the node (0 for ODE edges and roots)
+    std: torch.Tensor  # (N,) full transition std of that edge (0 for ODE)
+    level: torch.Tensor  # (N,) noise level the edge was drawn with
+    sde: torch.Tensor  # (N,) bool, the edge is stochastic
+    trained: torch.Tensor  # (N,) bool, the plan makes the edge a training candidate
+    stride: torch.Tensor  # (N,) long, completion stride of a side branch (0: not completing)
+    mean: torch.Tensor | None = None  # (N, *latent) sampling mean of the edge (its sample for ODE edges), kept
+    # only when the rollout is asked to (an objective that normalises by the old mean)
+
+    @property
+    def size(self) -> int:
+        return self.latents.shape[0]
+
+
+# the per-node fields of a round, in the order Tree.skeleton and the list views name them
+ROUND_FIELDS = ("latents", "index", "group", "root", "lineage", "parent", "log_prob", "std", "level", "sde",
+                "trained", "stride")
+
+
+@dataclass
 class Tree:
+    """A rollout: the grid, the plan and one :class:`Round` per round. ``tree.<field>`` (latents, index, parent,
+    log_prob, ...) is the per-round list of that field, ``tree.<field>[r]`` round r's tensor."""
+
     sigmas: torch.Tensor  # (T+1,) the exact grid used
-    latents: list[torch.Tensor]  # per round r: (N_r, C, H, W) fp32
-    index: list[torch.Tensor]  # per round: (N_r,) long, grid index of the node (sigma = sigmas[index])
-    group: list[torch.Tensor]  # per round: (N_r,) long, prompt row in this batch
-    root: list[torch.Tensor]  # per round: (N_r,) long, id of the node's root (prompt * roots + k)
-    lineage: list[torch.Tensor]  # per round: (N_r,) long, index where a side branch began; -1 = main line
-    parent: list[torch.Tensor]  # per round: (N_r,) long, index into round r-1 (-1 at r = 0)
-    log_prob: list[torch.Tensor]  # per round: (N_r,) old log-prob of the edge into each node (0 for ODE / roots)
-    std: list[torch.Tensor]  # per round: (N_r,) full transition std of that edge (0 for ODE)
-    level: list[torch.Tensor]  # per round: (N_r,) noise level the edge was drawn with
-    sde: list[torch.Tensor]  # per round: (N_r,) bool, the edge into the node is stochastic
-    trained: list[torch.Tensor]  # per round: (N_r,) bool, the plan makes that edge a training candidate
+    rounds: list[Round]
     plan: RolloutPlan
-    stride: list[torch.Tensor] = field(default_factory=list)  # per round: (N_r,) completion stride (0: not completing)
-    mean: list[torch.Tensor] = field(default_factory=list)  # per round: (N_r, *latent) sampling mean of the edge
-    # into each node (its sample for ODE edges); kept only when asked (GRPO-Guard), else empty
     nfe: int = 0  # node velocity evaluations (CFG counted once)
     transformer_calls: int = 0
+
+    def _field(self, name: str) -> list[torch.Tensor]:
+        return [getattr(r, name) for r in self.rounds]
+
+    latents = property(lambda self: self._field("latents"))
+    index = property(lambda self: self._field("index"))
+    group = property(lambda self: self._field("group"))
+    root = property(lambda self: self._field("root"))
+    lineage = property(lambda self: self._field("lineage"))
+    parent = property(lambda self: self._field("parent"))
+    log_prob = property(lambda self: self._field("log_prob"))
+    std = property(lambda self: self._field("std"))
+    level = property(lambda self: self._field("level"))
+    sde = property(lambda self: self._field("sde"))
+    trained = property(lambda self: self._field("trained"))
+    stride = property(lambda self: self._field("stride"))
+
+    @property
+    def mean(self) -> list[torch.Tensor]:
+        """Per round, the edges' sampling means; empty when the rollout did not keep them."""
+        return [r.mean for r in self.rounds] if self.rounds and self.rounds[0].mean is not None else []
 
     @classmethod
     def skeleton(cls, parents: list[list[int]], log_probs: list[list[float]] | None = None,
@@ -54,20 +95,19 @@ class Tree:
         (position in round r - 1) of every node of round r; every node of the last round is a leaf; all edges
         are SDE and trained. ``groups`` gives each root's prompt row (default: all 0)."""
         n0 = len(groups) if groups else 1 + max(parents[0], default=0)
-        par = [torch.full((n0,), -1)] + [torch.tensor(p) for p in parents]
         t = len(parents)
-        lp = [torch.zeros(n0)] + [torch.tensor(x, dtype=torch.float32) for x in (log_probs or [[0.0] * len(p) for p in parents])]
-        root = [torch.arange(n0)]
-        group = [torch.tensor(groups or [0] * n0)]
-        for r in range(1, t + 1):
-            root.append(root[r - 1][par[r]])
-            group.append(group[r - 1][par[r]])
-        n = [x.numel() for x in par]
-        plan = RolloutPlan([StepSpec() for _ in range(t)], roots_per_prompt=n0)
-        return cls(torch.linspace(1, 0, t + 1), [torch.zeros(k, 1) for k in n], [torch.full((k,), r) for r, k in enumerate(n)],
-                   group, root, [torch.full((k,), -1) for k in n], par, lp, [torch.zeros(k) for k in n],
-                   [torch.zeros(k) for k in n], [torch.ones(k, dtype=torch.bool) for k in n],
-                   [torch.ones(k, dtype=torch.bool) for k in n], plan, [torch.zeros(k, dtype=torch.long) for k in n])
+        lps = [[0.0] * n0] + (log_probs or [[0.0] * len(p) for p in parents])
+        rounds = []
+        for r, par in enumerate([[-1] * n0] + parents):
+            k = len(par)
+            par = torch.tensor(par)
+            root = torch.arange(n0) if r == 0 else rounds[r - 1].root[par]
+            group = torch.tensor(groups or [0] * n0) if r == 0 else rounds[r - 1].group[par]
+            rounds.append(Round(torch.zeros(k, 1), torch.full((k,), r), group, root, torch.full((k,), -1), par,
+                                torch.tensor(lps[r], dtype=torch.float32), torch.zeros(k), torch.zeros(k),
+                                torch.ones(k, dtype=torch.bool), torch.ones(k, dtype=torch.bool),
+                                torch.zeros(k, dtype=torch.long)))
+        return cls(torch.linspace(1, 0, t + 1), rounds, RolloutPlan([StepSpec() for _ in range(t)], roots_per_prompt=n0))
 
     @classmethod
     def concat(cls, trees: list["Tree"]) -> "Tree":
@@ -78,39 +118,31 @@ class Tree:
         rounds = trees[0].num_rounds
         if any(t.num_rounds != rounds for t in trees):
             raise ValueError("Tree.concat: the trees come from different plans")
-        plain = ("latents", "index", "lineage", "log_prob", "std", "level", "sde", "trained", "stride")
-        if trees[0].mean:
-            plain += ("mean",)
-        out = {name: [[] for _ in range(rounds + 1)] for name in plain + ("group", "root", "parent")}
+        shifted = [[] for _ in range(rounds + 1)]  # per round, each batch's Round with its indices shifted
         sizes = [0] * (rounds + 1)  # nodes per round in the batches already added
         prompts = roots = 0
         for t in trees:
-            for r in range(rounds + 1):
-                for name in plain:
-                    out[name][r].append(getattr(t, name)[r])
-                out["group"][r].append(t.group[r] + prompts)
-                out["root"][r].append(t.root[r] + roots)
-                out["parent"][r].append(t.parent[r] if r == 0 else t.parent[r] + sizes[r - 1])
-            sizes = [n + x.shape[0] for n, x in zip(sizes, t.latents)]
-            prompts += int(t.group[0].max()) + 1
-            roots += t.latents[0].shape[0]
-        merged = {name: [torch.cat(parts) for parts in per_round] for name, per_round in out.items()}
-        return cls(trees[0].sigmas, merged["latents"], merged["index"], merged["group"], merged["root"],
-                   merged["lineage"], merged["parent"], merged["log_prob"], merged["std"], merged["level"],
-                   merged["sde"], merged["trained"], trees[0].plan, merged["stride"], merged.get("mean", []),
-                   nfe=sum(t.nfe for t in trees), transformer_calls=sum(t.transformer_calls for t in trees))
+            for r, rnd in enumerate(t.rounds):
+                shifted[r].append(dataclasses.replace(rnd, group=rnd.group + prompts, root=rnd.root + roots,
+                                                      parent=rnd.parent if r == 0 else rnd.parent + sizes[r - 1]))
+            sizes = [n + rnd.size for n, rnd in zip(sizes, t.rounds)]
+            prompts += int(t.rounds[0].group.max()) + 1
+            roots += t.rounds[0].size
+        merged = [Round(**{f: torch.cat([getattr(p, f) for p in parts]) for f in ROUND_FIELDS},
+                        mean=torch.cat([p.mean for p in parts]) if parts[0].mean is not None else None)
+                  for parts in shifted]
+        return cls(trees[0].sigmas, merged, trees[0].plan, nfe=sum(t.nfe for t in trees),
+                   transformer_calls=sum(t.transformer_calls for t in trees))
 
     def to(self, device) -> "Tree":
         """The same tree with its latents (and sampling means) on ``device``; the small per-node tensors stay on
         the CPU where the rollout keeps them."""
-        import dataclasses
-
-        return dataclasses.replace(self, latents=[x.to(device) for x in self.latents],
-                                   mean=[x.to(device) for x in self.mean])
+        return dataclasses.replace(self, rounds=[dataclasses.replace(
+            r, latents=r.latents.to(device), mean=None if r.mean is None else r.mean.to(device)) for r in self.rounds])
 
     @property
     def num_rounds(self) -> int:
-        return len(self.latents) - 1
+        return len(self.rounds) - 1
 
     @property
     def num_steps(self) -> int:
@@ -186,15 +218,6 @@ class Tree:
         return [(s / c.clamp_min(1)).float() for s, c in zip(sums, counts)]
 
 
-def kernel_options(cfg) -> dict:
-    """Extra keyword arguments of the configured step kernel (the CPS log-prob convention, low-pass noise)."""
-    if cfg.sampler.kernel == "cps" and cfg.sampler.cps_log_prob == "published":
-        return {"published_log_prob": True}
-    if cfg.sampler.noise_lowpass:
-        return {"lowpass": cfg.sampler.noise_lowpass, "lowpass_skip_dc": cfg.sampler.noise_lowpass_skip_dc}
-    return {}
-
-
 def velocity_batched(adapter, x: torch.Tensor, sigma: torch.Tensor, cond, rows: torch.Tensor, max_batch: int,
                      guidance_scale: float, negative) -> tuple[torch.Tensor, int]:
     """Velocities for all nodes, chunked to at most ``max_batch`` per call. Returns ((N, C, H, W), calls)."""
@@ -256,12 +279,11 @@ def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Te
     if initial_noise is None:
         initial_noise = _randn((n0, *latent_shape), generator)
     zeros, no = torch.zeros(n0), torch.zeros(n0, dtype=torch.bool)
-    tree = Tree(sigmas, [initial_noise.float().to(device)], [torch.zeros(n0, dtype=torch.long)],
-                [torch.arange(num_prompts).repeat_interleave(torch.tensor(roots))], [torch.arange(n0)],
-                [torch.full((n0,), -1)], [torch.full((n0,), -1)], [zeros], [zeros], [zeros], [no], [no], plan,
-                [torch.zeros(n0, dtype=torch.long)])
-    if store_mean:
-        tree.mean.append(tree.latents[0])
+    x0 = initial_noise.float().to(device)
+    tree = Tree(sigmas, [Round(x0, torch.zeros(n0, dtype=torch.long),
+                               torch.arange(num_prompts).repeat_interleave(torch.tensor(roots)), torch.arange(n0),
+                               torch.full((n0,), -1), torch.full((n0,), -1), zeros, zeros, zeros, no, no,
+                               torch.zeros(n0, dtype=torch.long), x0 if store_mean else None)], plan)
 
     def sde_step(x, v, s, s_next, level, noise):
         out = kernel_step(kernel, x, v, s, s_next, noise_level=level, sigma_at_one=sigma_at_one, noise=noise,
@@ -271,16 +293,17 @@ def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Te
 
     r = 0
     while True:
-        x, idx, lineage = tree.latents[r], tree.index[r], tree.lineage[r]
+        cur = tree.rounds[r]
+        x, idx, lineage = cur.latents, cur.index, cur.lineage
         live = torch.nonzero(idx < t_steps).flatten()
         if live.numel() == 0:
             break
         sig = sigmas[idx[live]]
-        v_live = yield x[live.to(device)], sig.to(device), tree.group[r][live].to(device)
+        v_live = yield x[live.to(device)], sig.to(device), cur.group[live].to(device)
         tree.nfe += live.numel()
         v = torch.zeros_like(x)
         v[live.to(device)] = v_live
-        parts = []  # (parent positions, latents, index, lineage, log_prob, std, level, sde, trained, stride, mean)
+        parts: list[_Edges] = []  # this round's new nodes: main-line children, side jumps, completions
         main = live[lineage[live] < 0]
         if main.numel():
             i = int(idx[main[0]])  # the main line advances one index per round
@@ -298,19 +321,21 @@ def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Te
                     xs = kernel_step("ode", xp, vp, s, s_next, noise_level=0.0).sample
                     lp = sd = torch.zeros(n, device=device)
                     mean = xs
-                parts.append((par, xs, torch.full((n,), i + 1), torch.full((n,), -1), lp, sd, torch.full((n,), level),
-                              torch.full((n,), spec.sde), torch.full((n,), spec.trained), torch.zeros(n), mean))
+                parts.append(_Edges(par, xs, torch.full((n,), i + 1), torch.full((n,), -1), lp, sd,
+                                    torch.full((n,), level), torch.full((n,), spec.sde), torch.full((n,), spec.trained),
+                                    torch.zeros(n), mean))
             if spec.side:
                 par = main.repeat_interleave(spec.side)
                 xp, vp = x[par.to(device)], v[par.to(device)]
                 n, target = par.numel(), i + spec.side_merge
                 noise = _randn(tuple(xp.shape), generator).to(device)
                 xs, lp, sd, mean = sde_step(xp, vp, s, float(sigmas[target]), level, noise)
-                parts.append((par, xs, torch.full((n,), target), torch.full((n,), i), lp, sd, torch.full((n,), level),
-                              torch.ones(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool), torch.zeros(n), mean))
+                parts.append(_Edges(par, xs, torch.full((n,), target), torch.full((n,), i), lp, sd,
+                                    torch.full((n,), level), torch.ones(n, dtype=torch.bool),
+                                    torch.ones(n, dtype=torch.bool), torch.zeros(n), mean))
         comp = live[lineage[live] >= 0]
         if comp.numel():  # side branches are completed deterministically, `stride` indices per ODE step
-            stride = tree.stride[r][comp]
+            stride = cur.stride[comp]
             fresh = comp[stride == 0]  # side children that just jumped: one completion chain per granularity
             grans = [plan.steps[int(i)].side_granularities for i in lineage[fresh].tolist()]
             par = torch.cat([comp[stride > 0]] + [c.repeat(len(g)) for c, g in zip(fresh, grans)])
@@ -320,28 +345,43 @@ def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Te
             xs = kernel_step("ode", x[par.to(device)], v[par.to(device)], sigmas[ci], sigmas[cn], noise_level=0.0).sample
             n = par.numel()
             zeros_dev = torch.zeros(n, device=device)
-            parts.append((par, xs, cn, lineage[par], zeros_dev, zeros_dev, torch.zeros(n),
-                          torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool), step_len, xs))
-        par = torch.cat([p[0] for p in parts])
-        tree.parent.append(par)
-        tree.latents.append(torch.cat([p[1] for p in parts]))
-        tree.index.append(torch.cat([p[2] for p in parts]).long())
-        tree.lineage.append(torch.cat([p[3] for p in parts]).long())
-        tree.log_prob.append(torch.cat([p[4] for p in parts]))
-        tree.std.append(torch.cat([p[5] for p in parts]))
-        tree.level.append(torch.cat([p[6] for p in parts]).float())
-        tree.sde.append(torch.cat([p[7] for p in parts]))
-        tree.trained.append(torch.cat([p[8] for p in parts]))
-        tree.stride.append(torch.cat([p[9] for p in parts]).long())
-        if store_mean:
-            tree.mean.append(torch.cat([p[10] for p in parts]))
-        tree.group.append(tree.group[r][par])
-        tree.root.append(tree.root[r][par])
+            parts.append(_Edges(par, xs, cn, lineage[par], zeros_dev, zeros_dev, torch.zeros(n),
+                                torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool), step_len, xs))
+        tree.rounds.append(_Edges.join(parts, cur, store_mean))
         r += 1
     # one device-to-host copy of the edges' log-probs and stds, not one synchronisation per round
-    tree.log_prob = [t.float().cpu() for t in tree.log_prob]
-    tree.std = [t.float().cpu() for t in tree.std]
+    for rnd in tree.rounds:
+        rnd.log_prob, rnd.std = rnd.log_prob.float().cpu(), rnd.std.float().cpu()
     return tree
+
+
+@dataclass
+class _Edges:
+    """Nodes of the next round made one way (main-line children, side jumps or completions), before they are
+    joined into a :class:`Round`; tensors of length n on the CPU or the device."""
+
+    parent: torch.Tensor  # (n,) positions in the current round
+    latents: torch.Tensor  # (n, *latent)
+    index: torch.Tensor
+    lineage: torch.Tensor
+    log_prob: torch.Tensor
+    std: torch.Tensor
+    level: torch.Tensor
+    sde: torch.Tensor
+    trained: torch.Tensor
+    stride: torch.Tensor
+    mean: torch.Tensor  # (n, *latent)
+
+    @staticmethod
+    def join(parts: list["_Edges"], previous: Round, store_mean: bool) -> Round:
+        par = torch.cat([p.parent for p in parts])
+
+        def cat(name):
+            return torch.cat([getattr(p, name) for p in parts])
+
+        return Round(cat("latents"), cat("index").long(), previous.group[par], previous.root[par],
+                     cat("lineage").long(), par, cat("log_prob"), cat("std"), cat("level").float(), cat("sde"),
+                     cat("trained"), cat("stride").long(), cat("mean") if store_mean else None)
 
 
 @torch.no_grad()

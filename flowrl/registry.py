@@ -32,6 +32,8 @@ PROMPT_SETS: dict[str, Any] = {
 # held-out evaluators (log.eval): a class built with no arguments, called as evaluator(sample_fn, seeds)
 EVALUATORS: dict[str, Any] = {"shapes": "flowrl.shapes.evaluate:ShapesEvaluator",
                               "moving-shapes": "flowrl.shapes.evaluate:MovingShapesEvaluator"}
+# command-line subcommands that plug-ins add: a function(subparsers) that adds them
+COMMANDS: dict[str, Any] = {"shapes-demo": "flowrl.shapes.commands:add_commands"}
 # pretrained model names that are not hub ids: a function(model_cfg) -> diffusers pipeline
 MODEL_NAMES: dict[str, Any] = {"tiny-shapes": "flowrl.models.tiny:load_tiny_shapes_pipeline",
                                "tiny-moving-shapes": "flowrl.shapes.video_model:load_tiny_moving_shapes_pipeline"}

@@ -32,6 +32,16 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def kernel_options(cfg) -> dict:
+    """Extra keyword arguments of the configured step kernel (the CPS log-prob convention, low-pass noise): what
+    the engine and the objectives pass to :func:`flowrl.samplers.kernels.step`, so neither reads the config."""
+    if cfg.sampler.kernel == "cps" and cfg.sampler.cps_log_prob == "published":
+        return {"published_log_prob": True}
+    if cfg.sampler.noise_lowpass:
+        return {"lowpass": cfg.sampler.noise_lowpass, "lowpass_skip_dc": cfg.sampler.noise_lowpass_skip_dc}
+    return {}
+
+
 def sigmas_for(cfg, adapter, num_steps: int) -> torch.Tensor:
     """The (num_steps + 1,) sigma grid: the family pipeline's own (``diffusers``), or a static / dynamic shift."""
     s = cfg.sampler

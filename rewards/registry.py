@@ -73,6 +73,15 @@ class RewardScores:
                    {k: torch.cat([p.components[k] for p in parts]) for k in parts[0].components},
                    torch.cat([p.invalid for p in parts]))
 
+    def summary(self) -> dict[str, float]:
+        """reward_mean/<name> and reward_std/<name> over the finite scores, for the total and every component."""
+        out = {}
+        for name, values in [("total", self.total)] + list(self.components.items()):
+            ok = values[torch.isfinite(values)]
+            out[f"reward_mean/{name}"] = float(ok.mean()) if ok.numel() else float("nan")
+            out[f"reward_std/{name}"] = float(ok.std(correction=0)) if ok.numel() else float("nan")
+        return out
+
 
 class RewardSet:
     """A weighted sum of rewards; every component is kept for logging."""

@@ -106,6 +106,11 @@ def make_server(name: str, args: dict | None = None, host: str = "127.0.0.1", po
             except Exception as exc:
                 self._reply(400, {"error": f"bad request body ({exc}); send safetensors with an 'images' tensor"})
                 return
+            if not images.is_floating_point() or not bool(torch.isfinite(images).all()):
+                bad = "are not floating point" if not images.is_floating_point() else \
+                    f"hold {int((~torch.isfinite(images)).sum())} NaN or inf values"
+                self._reply(400, {"error": f"the images {bad}; send finite pixel values in [0, 1]"})
+                return
             try:
                 scores = torch.as_tensor(scorer(images, prompts, metadata), dtype=torch.float64).flatten().tolist()
             except Exception as exc:

@@ -77,6 +77,7 @@ class ScriptedCurve:
     it still samples, so the weights it saw are the ones the trainer keeps."""
 
     SCRIPT = [0.5, 0.6, 0.8, 0.7, 0.4, 0.3]
+    headline = "all"  # the number the held-out curve maximises (log.best_metric's default)
 
     def __init__(self):
         self.calls = 0
@@ -110,3 +111,15 @@ def run_shipped_job(config_name: str, out_dir) -> tuple:
     trainer = Trainer(cfg)
     trainer.train()
     return trainer.run_dir, json.loads((trainer.run_dir / "eval.json").read_text())
+
+
+class FailsOnSecondCall:
+    """A reward that scores once, then fails (a reward server that goes away mid-run)."""
+
+    calls = 0
+
+    def __call__(self, images, prompts, metadata):
+        type(self).calls += 1
+        if type(self).calls > 1:
+            raise RuntimeError("the reward went away")
+        return images.mean(dim=tuple(range(1, images.ndim)))

@@ -59,19 +59,18 @@ def test_per_reward_advantages_weight_normalised_components():
     from flowrl.algorithms import make_algorithm
     from flowrl.config import load_config
     from flowrl.engine import Tree
-    from flowrl.trainer import per_reward_advantages
 
     cfg = load_config(None, ["advantage.combine=per_reward"])
     tree = Tree.skeleton([[0, 1, 2, 3]], groups=[0, 0, 0, 0])  # one group of 4 one-step leaves
     a, b = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([100.0, 100.0, 300.0, 300.0])
     scores = RewardScores(a + 0.5 * b, {"a": a, "b": b}, torch.zeros(4, dtype=torch.bool))
-    adv, keep = per_reward_advantages(make_algorithm(cfg), tree, scores, {"a": 1.0, "b": 0.5}, 0)
+    adv, keep, _ = make_algorithm(cfg).reward_advantages(tree, scores, {"a": 1.0, "b": 0.5}, 0)
     adv_a = (a - 2.5) / (1.25 ** 0.5 + 1e-4)
     adv_b = torch.tensor([-1.0, -1.0, 1.0, 1.0]) * 100 / (100 + 1e-4)
     assert torch.allclose(adv[1], adv_a + 0.5 * adv_b, atol=1e-5)
     assert all(bool(k.all()) for k in keep)
     scores.invalid[0] = True  # invalid in any reward: out of every component's statistics, advantage 0
-    adv, _ = per_reward_advantages(make_algorithm(cfg), tree, scores, {"a": 1.0, "b": 0.5}, 0)
+    adv, _, _ = make_algorithm(cfg).reward_advantages(tree, scores, {"a": 1.0, "b": 0.5}, 0)
     assert float(adv[1][0]) == 0.0
     a2, b2 = a[1:], b[1:]  # [2, 3, 4], [100, 300, 300]: population std sqrt(2/3) and 200 sqrt(2) / 3
     want = (a2 - 3) / ((2 / 3) ** 0.5 + 1e-4) + 0.5 * (b2 - 700 / 3) / (200 * 2 ** 0.5 / 3 + 1e-4)

@@ -65,6 +65,8 @@ def test_chunk_update_with_unit_chunks_equals_step_level_update(tmp_path):
     """Same tree, same advantages: chunk_grpo with 1-step chunks (all trained) makes exactly the step-level update."""
     from flowrl.algorithms import make_algorithm
     from flowrl.engine import rollout
+    from flowrl.objectives import UpdateBatch
+    from flowrl.optimise import optimise
     from flowrl.trainer import Trainer
 
     common = [f"log.output_dir={tmp_path}", "log.progress=false", "sampler.num_steps=5", "train.num_minibatches=1",
@@ -88,7 +90,9 @@ def test_chunk_update_with_unit_chunks_equals_step_level_update(tmp_path):
                        noise_level=0.7, generator=torch.Generator().manual_seed(0))
         rewards = tree.leaves.mean(dim=(1, 2, 3))
         adv, keep, _ = make_algorithm(cfg).advantages(tree, rewards, 0)
-        stats = trainer.update(tree, cond, adv, make_algorithm(cfg).select_edges(tree, torch.Generator()), torch.Generator().manual_seed(1))
+        masks = make_algorithm(cfg).select_edges(tree, torch.Generator())
+        stats = optimise(trainer.objective, UpdateBatch(tree, cond, adv, masks), trainer.policy, trainer.procs,
+                         cfg.train, torch.Generator().manual_seed(1))
         assert stats["trained_edges"] == 4 * 4 and stats["optimizer_steps"] == 1
     assert grads[0].abs().max() > 0
     assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-6 * float(grads[1].abs().max()))

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from flowrl.cli import main
 from flowrl.config import load_config
@@ -191,3 +192,58 @@ def test_old_style_keys_written_by_hand_say_where_they_went():
     with pytest.raises(ConfigError, match=r"algorithm.tree: the tree options now sit directly under algorithm \(e.g. "
                                           r"algorithm.split_steps\)"):
         load_config(ROOT / "configs/tiny_branch_grpo.yaml", ["algorithm.tree.split_steps=[0, 1]"])
+
+
+def _yaml12(text: str):
+    """YAML as an editor's YAML 1.2 reads it: `1e-4` is a number (PyYAML's 1.1 rules read it as a string)."""
+    import re
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                                 list("-+0123456789."))
+    return yaml.load(text, Loader=Loader)
+
+
+def test_config_schema_validates_every_shipped_preset_and_catches_bad_ones(capsys):
+    """`flowrl config schema` is a JSON Schema (draft 2020-12) that accepts every preset and rejects what
+    load_config rejects: an unknown key, a value out of range or not among the choices, another algorithm's
+    option."""
+    import json
+
+    import jsonschema
+
+    from flowrl.cli import main
+
+    assert main(["config", "schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    presets = sorted((ROOT / "configs").glob("*.yaml"))
+    assert len(presets) > 50
+    for path in presets:
+        errors = [e.message for e in validator.iter_errors(_yaml12(path.read_text()))]
+        assert errors == [], (path.name, errors[:3])
+    assert schema["properties"]["train"]["properties"]["kl_beta"]["description"].startswith("KL to the reference")
+    for bad in ({"train": {"kl_bta": 0.1}}, {"train": {"clip_range": 0}}, {"sampler": {"kernel": "ddim"}},
+                {"algorithm": {"name": "flow_grpo", "beta": 1.0}}, {"algorithm": {"name": "no_such"}}):
+        assert not validator.is_valid(bad), bad
+        with pytest.raises(ConfigError):
+            load_config(None, [f"{k}.{kk}={vv}" for k, v in bad.items() for kk, vv in v.items()])
+    assert validator.is_valid({"algorithm": {"name": "diffusion_nft", "beta": 0.1}})
+
+
+def test_config_explain_prints_type_default_range_and_description(capsys):
+    from flowrl.cli import main
+
+    assert main(["config", "explain", "train.kl_beta"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "train.kl_beta", "  type: float", "  default: 0.0", "  range: >= 0.0",
+        "  KL to the reference policy (train.kl_reference)"]
+    assert main(["config", "explain", "sampler.kernel"]) == 0
+    assert "  choices: flow_grpo, dance, cps" in capsys.readouterr().out
+    assert main(["config", "explain", "algorithm.beta"]) == 0
+    assert capsys.readouterr().out.startswith("algorithm.beta (an option of diffusion_nft)\n  type: float\n  default: 1.0")
+    assert main(["config", "explain", "train.kl_bta"]) == 2
+    assert capsys.readouterr().err.strip() == "flowrl: error: unknown config key 'train.kl_bta'; did you mean 'train.kl_beta'?"

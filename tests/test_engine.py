@@ -79,7 +79,7 @@ def test_antithetic_siblings_mirror_the_shared_step(tiny_adapter, tmp_path):
     too (the projection is linear)."""
     import pytest
 
-    from flowrl.engine import kernel_options
+    from flowrl.sampling import kernel_options
     from flowrl.errors import ConfigError
 
     for lowpass in (0, 4):

@@ -193,6 +193,8 @@ def test_kl_at_the_untrained_steps_by_hand(tmp_path):
     minus the reference velocity. 0 on the first update (policy == reference), positive after it."""
     from flowrl.trainer import Trainer
 
+    from flowrl.objectives import untrained_states
+
     a = 0.7
     cfg = load_config(None, ["train.lora.enabled=false", "train.kl_untrained_beta=1.0", "train.kl_untrained_states=4",
                              "algorithm.name=flow_grpo_fast", "algorithm.window.size=1", "algorithm.window.start=0",
@@ -202,18 +204,19 @@ def test_kl_at_the_untrained_steps_by_hand(tmp_path):
                              "log.sample_every=0", "log.save_every=0", "log.progress=false"])
     trainer = Trainer(cfg)
     seen = []
-    plain = trainer._untrained_kl
+    objective = trainer.objective
+    plain = objective._untrained_kl  # the KL of given states, in the iteration being trained
 
-    def record(tree, cond, rounds, child):
-        out = plain(tree, cond, rounds, child)
-        seen.append((tree, cond, rounds, child, out.detach()))
+    def record(rounds, child):
+        out = plain(rounds, child)
+        seen.append((objective.batch.tree, objective.batch.cond, rounds, child, out.detach()))
         return out
 
-    trainer._untrained_kl = record
+    objective._untrained_kl = record
     first = trainer.iteration(0)
     assert first["kl_untrained"] == 0.0 and first["nfe_train"] == 2 + 4  # 2 trained edges + 4 drawn states
     tree = seen[0][0]
-    rounds, child = trainer.untrained_states(tree)
+    rounds, child = untrained_states(tree)
     assert rounds.tolist() == [2, 2, 3, 3, 4, 4] and not tree.trained[2].any() and tree.trained[1].all()
     second = trainer.iteration(1)
     assert second["kl_untrained"] > 0
@@ -228,7 +231,7 @@ def test_kl_at_the_untrained_steps_by_hand(tmp_path):
         v = trainer.adapter.velocity(x, t, cond.index(rows))
         with trainer.policy.reference():
             v_ref = trainer.adapter.velocity(x, t, cond.index(rows))
-        now = plain(tree, cond, rounds, child)  # with the weights as they are now (one more step was taken)
+        now = plain(rounds, child)  # iteration 1's states, with the weights as they are now (one more step was taken)
     dv2 = ((v - v_ref) ** 2).flatten(1).mean(1)
     sig2 = a**2 * t / (1 - t)
     expect = dv2 * (1 + sig2 * (1 - t) / (2 * t)) ** 2 * (t - t_next) / (2 * sig2)

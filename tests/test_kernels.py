@@ -119,7 +119,8 @@ def test_cps_published_log_prob_is_reachable_from_the_config(tiny_adapter, tmp_p
     """sampler.cps_log_prob=published: the rollout stores -(x' - mean)^2 (mean over elements), the paper's and
     Flow-GRPO's form, = 2 s^2 (log N + log s + log sqrt(2 pi)) of the same sample; and the first update's ratio is 1."""
     from flowrl.config import load_config
-    from flowrl.engine import kernel_options, rollout
+    from flowrl.engine import rollout
+    from flowrl.sampling import kernel_options
     from flowrl.samplers import RolloutPlan, StepSpec, static_shift_sigmas
 
     sig = static_shift_sigmas(4, 3.0)
@@ -220,7 +221,8 @@ def test_lowpass_noise_from_the_config(tiny_adapter, tmp_path):
     high frequencies are the ODE step's) and the update (ratio 1 on the first update); a k above the latent's side
     or the cps kernel is refused in one line."""
     from flowrl.config import load_config, validate
-    from flowrl.engine import kernel_options, rollout
+    from flowrl.engine import rollout
+    from flowrl.sampling import kernel_options
     from flowrl.errors import ConfigError
     from flowrl.samplers import RolloutPlan, StepSpec
     from flowrl.samplers.kernels import lowpass_project

@@ -20,15 +20,16 @@ LAYERS = [
     ("cli", ["flowrl.cli", "flowrl.__main__"]),
     ("shapes demo (leaf)", ["flowrl.shapes", "flowrl.shapes.*"]),
     ("eval / bench", ["flowrl.evaluate", "flowrl.bench", "flowrl.gpu_bench"]),
-    ("train", ["flowrl.trainer", "flowrl.policy", "flowrl.checkpoint", "flowrl.rundir", "flowrl.distributed"]),
+    ("train", ["flowrl.trainer", "flowrl.callbacks", "flowrl.optimise", "flowrl.rollout_runner", "flowrl.policy",
+               "flowrl.checkpoint", "flowrl.rundir", "flowrl.distributed"]),
     ("algorithms", ["flowrl.algorithms", "flowrl.algorithms.*"]),
-    ("loss / advantages", ["flowrl.advantages", "flowrl.losses", "flowrl.trees", "flowrl.chunks", "flowrl.trackers"]),
+    ("objectives / losses / advantages", ["flowrl.objectives", "flowrl.advantages", "flowrl.losses", "flowrl.trees", "flowrl.chunks", "flowrl.trackers"]),
     ("rewards / rollout / prompts", ["flowrl.rewards", "flowrl.rewards.*", "flowrl.engine", "flowrl.sampling",
                                      "flowrl.prompts"]),
     ("models", ["flowrl.models", "flowrl.models.*"]),  # an adapter knows its pipeline's sigma schedule
     ("plan / kernels", ["flowrl.samplers", "flowrl.samplers.*"]),
     ("config / errors / io", ["flowrl", "flowrl.config", "flowrl.errors", "flowrl.registry", "flowrl.resources",
-                              "flowrl.tokenizer", "flowrl.report"]),
+                              "flowrl.tokenizer", "flowrl.report", "flowrl.report.*", "flowrl.cli_types"]),
 ]
 
 
@@ -194,3 +195,31 @@ if __name__ == "__main__":  # the report for humans
     edges = sum(len(v) for v in g.values())
     print(f"{len(g)} modules, {edges} import edges; cycles: {cycles(g) or 'none'}; "
           f"upward imports: {upward(g) or 'none'}")
+
+
+TRAINER_MODULES = ["flowrl.trainer", "flowrl.optimise", "flowrl.rollout_runner", "flowrl.callbacks"]
+
+
+def test_the_trainer_never_asks_what_kind_of_algorithm_it_has():
+    """The trainer drives every algorithm through the same hooks and objective protocol: no flag naming a kind
+    of algorithm (forward-process training, GRPO-Guard), no algorithm name, no isinstance test on an algorithm."""
+    mods = modules()
+    names = _algorithm_names() | {"flow_grpo"}
+    for m in TRAINER_MODULES:
+        source = mods[m].read_text()
+        tree = ast.parse(source)
+        for word in ("forward_process", "grpo_guard", "per_edge_rows"):
+            assert word not in source, (m, word)
+        constants = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        assert not constants & names, (m, constants & names)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance":
+                assert "algo" not in ast.unparse(node.args[0]), (m, ast.unparse(node))
+
+
+def test_the_core_never_imports_the_shapes_demo():
+    """The shapes demo is a leaf: no module outside flowrl.shapes imports it (it registers itself)."""
+    g = graph()
+    found = {m: sorted(t for t in ts if t.startswith("flowrl.shapes")) for m, ts in g.items()
+             if not m.startswith("flowrl.shapes")}
+    assert {m: ts for m, ts in found.items() if ts} == {}

@@ -29,7 +29,10 @@ def test_preset_loads_and_names_its_command(path):
     else:  # SuperFlow's plan holds its largest group (each prompt's own size comes from the tracker)
         assert plan.leaves_per_prompt == getattr(cfg.algorithm, "group_size", None) or cfg.algorithm.max_group
     # every preset trains something: edges, or (DiffusionNFT) re-noised clean samples from an all-ODE rollout
-    assert plan.counts()["trained_edges"] > 0 or (algo.forward_process and plan.counts()["trained_edges"] == 0)
+    from flowrl.objectives import ForwardProcessObjective
+
+    on_forward_process = isinstance(algo.make_objective(None), ForwardProcessObjective)
+    assert plan.counts()["trained_edges"] > 0 or (on_forward_process and plan.counts()["trained_edges"] == 0)
 
 
 def test_preset_accounting():

@@ -17,7 +17,8 @@ def _run(root, label, seed, before, after, noise=(5.0, 6.0), seconds=400.0, roll
                                                     "log": {"run_name": rd.name}}))
     (rd / "eval.json").write_text(json.dumps({
         "before": {"all": before, "reward": 0.87, "background_noise": noise[0]},
-        "after": {"all": after, "reward": 0.9, "background_noise": noise[1]}}))
+        "after": {"all": after, "reward": 0.9, "background_noise": noise[1]},
+        "about": {"headline": "all", "watch": "background_noise"}}))
     rows = [{"iteration": i, "seconds_cum": seconds * (i + 1) / 2, "rollouts_cum": rollouts * (i + 1) / 2,
              "reward_mean/total": 0.8} for i in range(2)]
     (rd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -47,7 +48,7 @@ def test_rank_table_by_hand(tmp_path, capsys):
     assert rows["noisy"]["gain_se"] == pytest.approx(0.06 / math.sqrt(3)) and not rows["noisy"]["se_ok"]
     assert rows["noisy"]["significant"] is False
     assert rows["single"]["gain_se"] is None and rows["single"]["significant"] is None
-    assert rows["better"]["noise_change"] == pytest.approx(4.0) and rows["base"]["seconds"] == pytest.approx(400.0)
+    assert rows["better"]["watch_change"] == pytest.approx(4.0) and rows["base"]["seconds"] == pytest.approx(400.0)
     assert "| 1 | better | 3 | +11.0 +- 0.6 | 60.0% -> 71.0% | 0.900 | +4.0 | 400 | 3840 | +5.0 (> 2 SE) |" in text
     assert "| 4 | noisy | 3 | +6.0 +- 3.5 (> 1.5) |" in text and "+0.0 (within 2 SE) |" in text
     assert (tmp_path / "rank" / "rank.md").read_text().strip() == text.strip()

@@ -340,3 +340,68 @@ def test_a_write_that_fails_mid_run_is_one_line(tmp_path, capsys, monkeypatch):
     assert code == 2
     one_line(err, "No space left on device; free space or choose another location")
     assert not list((tmp_path / "runs" / "x" / "checkpoints").glob("*iter_*"))  # nor a temporary one
+
+
+def test_a_safetensors_full_disk_during_a_checkpoint_is_one_line(tmp_path, capsys, monkeypatch):
+    """Full fine-tuning writes the transformer through safetensors, which reports a full disk as its own
+    SafetensorError: still one line, and nothing half-written in place."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                              'left on device" })')
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    code, err = train(capsys, tmp_path / "runs", "x", "train.iterations=1", "train.lora.enabled=false")
+    assert code == 2
+    one_line(err, "No space left on device; free space or choose another location")
+    assert str(tmp_path / "runs" / "x" / "checkpoints" / "iter_00000") in err[-1]
+    assert not list((tmp_path / "runs" / "x" / "checkpoints").glob("*iter_*"))  # nor a temporary one
+
+
+def test_a_config_with_a_key_twice_is_one_line(tmp_path, capsys):
+    """Two `train:` blocks: plain YAML keeps the later one silently; flowrl refuses before any work."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("train:\n  lr: 1.0e-3\nsampler:\n  num_steps: 4\ntrain:\n  iterations: 3\n")
+    code, err = cli(capsys, "train", path, f"log.output_dir={tmp_path / 'runs'}")
+    assert code == 2
+    one_line(err, f"{path}: key 'train' appears twice in one mapping (lines 1 and 5); keep one and merge")
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("train:\n  lr: 1.0e-3\n  lr: 2.0e-3\n")
+    code, err = cli(capsys, "train", nested)
+    one_line(err, "key 'lr' appears twice in one mapping (lines 2 and 3)")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("command", ["sample", "eval"])
+def test_a_seed_list_with_a_non_number_is_one_line(tmp_path, capsys, command):
+    out = tmp_path / "grid.png"
+    extra = ["--out", out] if command == "sample" else []
+    code, err = cli(capsys, command, "--seeds", "0,a", *extra)
+    assert code == 2
+    one_line(err, "--seeds 0,a: 'a' is not a whole number; give comma-separated seeds such as 0,1,2,3")
+    assert not out.exists()
+
+
+def test_serve_reward_refuses_images_with_nan_or_inf(capsys):
+    """Non-finite pixels get a 400 naming them, not scores; finite ones are still scored."""
+    from flowrl.rewards import build_reward
+    from flowrl.rewards.remote import encode_request, make_server
+
+    srv = make_server("jpeg_incompressibility", {}, "127.0.0.1", 0)
+    port = srv.server_address[1]
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        images = torch.rand(3, 3, 8, 8)
+        images[1, 0, 0, 0], images[2, 1, 2, 3] = float("nan"), float("inf")
+        body = encode_request(images, ["a", "b", "c"], None)
+        head = f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        reply = raw_request(port, head, body)
+        assert b" 400 " in reply.split(b"\r\n")[0]
+        assert b"the images hold 2 NaN or inf values; send finite pixel values in [0, 1]" in reply
+        remote = build_reward("remote", url=f"http://127.0.0.1:{port}", timeout=10, retries=1)
+        assert remote(torch.rand(2, 3, 8, 8), ["a", "b"]).shape == (2,)
+    finally:
+        srv.shutdown()
+        srv.server_close()

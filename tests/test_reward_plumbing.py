@@ -138,3 +138,35 @@ def test_trainer_packed_rollouts_give_the_same_iteration(tmp_path):
     assert rows[True]["reward_mean/total"] == rows[False]["reward_mean/total"]
     assert rows[True]["ratio_mean"] == rows[False]["ratio_mean"]
     assert rows[True]["transformer_calls_rollout"] < rows[False]["transformer_calls_rollout"] == 8
+
+
+def _reward_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name.startswith("flowrl-reward")]
+
+
+def test_the_reward_worker_ends_with_training_and_on_error(tmp_path):
+    """With async scoring a worker thread scores batch k while batch k + 1 rolls out; it is closed when training
+    ends, and when an iteration fails."""
+    import pytest
+
+    from flowrl.trainer import Trainer
+    from tests.helpers import FailsOnSecondCall
+
+    before = _reward_threads()
+    cfg = make_cfg(tmp_path / "ok", "train.iterations=1", "sampler.rollout_batches=2", "train.prompts_per_iter=2")
+    trainer = Trainer(cfg)
+    seen = []
+    score = trainer.runner.rewards
+    trainer.runner.rewards = lambda *a: (seen.append(trainer.runner.reward_worker_running), score(*a))[1]
+    trainer.train()
+    assert seen == [True, True]  # both batches were scored while the worker was up
+    assert not trainer.runner.reward_worker_running and _reward_threads() == before
+    FailsOnSecondCall.calls = 0
+    cfg = make_cfg(tmp_path / "fails", "train.iterations=2", "sampler.rollout_batches=2", "train.prompts_per_iter=2",
+                   "rewards=[{name: 'tests.helpers:FailsOnSecondCall'}]")
+    trainer = Trainer(cfg)
+    with pytest.raises(Exception, match="the reward went away"):
+        trainer.train()
+    assert not trainer.runner.reward_worker_running and _reward_threads() == before

@@ -23,6 +23,7 @@ import torch
 
 from ..config import opt
 from ..errors import ConfigError
+from ..objectives import ForwardProcessObjective
 from ..samplers import RolloutPlan, StepSpec
 from .base import GroupOptions
 from .flow_grpo import FlowGRPO
@@ -69,7 +70,6 @@ def old_policy_decay(mode: str, it: int) -> float:
 
 class DiffusionNFT(FlowGRPO):
     Options = DiffusionNFTOptions
-    forward_process = True  # the trainer calls forward_process_terms instead of the edge log-prob update
     keeps_old_policy = True  # rollouts are drawn with the old policy, which follows the trained weights
 
     @classmethod
@@ -104,8 +104,12 @@ class DiffusionNFT(FlowGRPO):
         idx = torch.stack([torch.randperm(grid.numel(), generator=gen)[:k] for _ in range(n)])
         return grid[idx]
 
-    def forward_process_terms(self, x0, x_t, t, v_theta, v_old, adv) -> torch.Tensor:
-        """Per-sample loss (B,) of one re-noised micro-batch (the trainer adds the KL term)."""
+    def make_objective(self, parts):
+        """Training on the forward process (flowrl/objectives.py), with :meth:`forward_process_loss` per sample."""
+        return ForwardProcessObjective(self, parts)
+
+    def forward_process_loss(self, x0, x_t, t, v_theta, v_old, adv) -> torch.Tensor:
+        """Per-sample loss (B,) of one re-noised micro-batch (the objective adds the KL term)."""
         r = optimality_probability(adv, self.opts.adv_clip_max)
         return nft_loss(x0, x_t, t, v_theta, v_old, r, self.opts.beta, self.opts.adv_clip_max)
 

@@ -25,6 +25,7 @@ import torch
 from ..advantages import group_advantages
 from ..config import opt
 from ..errors import ConfigError
+from ..objectives import TransitionObjective
 from ..samplers import RolloutPlan, StepSpec
 from ..trackers import BetaTracker
 from .base import AlgorithmContext, Unit, WindowedOptions, check_window, window_start
@@ -39,7 +40,6 @@ class FlowGRPOOptions(WindowedOptions):
 class FlowGRPO:
     Options = FlowGRPOOptions
     window_required = False
-    forward_process = False  # True: trained on re-noised clean samples (DiffusionNFT), not on transitions
     keeps_old_policy = False  # True: rollouts use an old copy of the weights that follows the trained ones
     per_edge_rows = True  # loss_rows keeps one row per edge (so train.fused_loss can clip per edge)
 
@@ -128,6 +128,22 @@ class FlowGRPO:
             keep = [k & m for k, m in zip(keep, self._refill_masks(tree, rewards, stats))]
         return tree.node_values_from_leaves(adv_leaf), keep, stats
 
+    def reward_advantages(self, tree, scores, weights: dict[str, float], it: int, prompts: list[str] | None = None):
+        """The iteration's scores -> (per-round node advantages, keep masks, statistics). With several rewards and
+        ``advantage.combine=per_reward`` (DanceGRPO's multi-reward rule), A = sum_i w_i A_i, each A_i normalised
+        within its own groups from reward i alone, so a reward on a large scale cannot drown a small one; edges
+        kept by every component stay kept. Otherwise the advantages of the weighted total."""
+        node_adv, keep, stats = self.advantages(tree, scores.total, it, prompts)
+        if self.cfg.advantage.combine != "per_reward" or len(scores.components) < 2:
+            return node_adv, keep, stats
+        total, keep = None, None
+        for name, values in scores.components.items():
+            values = torch.where(scores.invalid, torch.nan, values)  # a leaf invalid in any reward is out of all
+            adv, k, _ = self.advantages(tree, values, it)
+            total = [weights[name] * a for a in adv] if total is None else [t + weights[name] * a for t, a in zip(total, adv)]
+            keep = k if keep is None else [x & y for x, y in zip(keep, k)]
+        return total, keep, stats
+
     def _refill_masks(self, tree, rewards: torch.Tensor, stats: dict) -> list[torch.Tensor]:
         """drop_refill: train the first ``prompts_per_iter`` prompts whose rewards vary; the rest are dropped."""
         groups, adv = tree.leaf_group, self.cfg.advantage
@@ -176,6 +192,15 @@ class FlowGRPO:
     def loss_weights(self, tree, masks) -> dict[int, float] | None:
         """Per-step loss weight keyed by the parent's grid index, or None (all 1)."""
         return None
+
+    def make_objective(self, parts):
+        """The objective this algorithm trains (flowrl/objectives.py): PPO-clip on the rollout's transitions."""
+        return TransitionObjective(self, parts)
+
+    def old_decay(self, it: int) -> float:
+        """With ``keeps_old_policy``: how much of the old (sampling) weights stays after iteration ``it``
+        (old <- d old + (1 - d) trained)."""
+        return 0.0
 
     def observe_update(self, stats: dict) -> None:
         self.last_divergence = stats.get("mean_abs_log_ratio")

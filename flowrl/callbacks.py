@@ -1,0 +1,193 @@
+"""Callbacks: what happens around the training loop without being the loop.
+
+The trainer calls every callback's hooks in order: :meth:`Callback.on_train_begin` (after the first sample grid
+of a fresh run), :meth:`Callback.on_iteration_end` with the iteration's metrics row (a callback may return a reason
+to stop early, as Hugging Face's ``EarlyStoppingCallback`` sets ``should_training_stop``), and
+:meth:`Callback.on_train_end`. The shipped ones write the metrics rows, draw the reward curve, log to trackers
+and run the held-out evaluation (curve points, best checkpoint, early stop and ending with the best weights,
+like ``load_best_model_at_end``). A callback reads what it needs from the trainer it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from . import report
+from .checkpoint import load_full_into, load_lora_into, save_checkpoint
+from .errors import ConfigError
+
+
+class Callback:
+    def on_train_begin(self, trainer) -> None:
+        pass
+
+    def on_iteration_end(self, trainer, it: int, row: dict) -> str | None:
+        """After iteration ``it`` (its metrics ``row``); a string stops the run after this iteration."""
+        return None
+
+    def on_train_end(self, trainer) -> None:
+        pass
+
+
+class MetricsWriter(Callback):
+    """metrics.jsonl: one row per iteration, flushed to disk (main process)."""
+
+    def on_iteration_end(self, trainer, it, row):
+        if trainer.procs.is_main:
+            report.append_metrics(trainer.folder.metrics, row)
+
+
+class RewardCurvePlot(Callback):
+    """reward_curve.png, redrawn with the sample grids (after the first iteration, every ``log.sample_every``) and at
+    the end, with the held-out panel where the run has one."""
+
+    def on_iteration_end(self, trainer, it, row):
+        every = trainer.cfg.log.sample_every
+        if trainer.procs.is_main and (it == trainer.start_iteration or (every and (it + 1) % every == 0)):
+            report.plot_reward_curve(trainer.run_dir)
+
+    def on_train_end(self, trainer):
+        if trainer.procs.is_main:
+            report.plot_reward_curve(trainer.run_dir)
+
+
+class TrackerLog(Callback):
+    """The numeric fields of each row to accelerate's trackers (``log.trackers``: tensorboard, wandb)."""
+
+    def on_iteration_end(self, trainer, it, row):
+        trainer.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=it)
+
+    def on_train_end(self, trainer):
+        trainer.accelerator.end_training()
+
+
+class HeldOutMonitor(Callback):
+    """The held-out evaluation (``log.eval``): the full evaluation before and after training (eval.json and the
+    before | after grid); every ``log.eval_every`` iterations a curve point on the first ``log.eval_curve_seeds``
+    seeds (eval_curve.jsonl); the best point's weights in checkpoints/best (``log.keep_best``); early stopping
+    (``log.early_stop_patience`` points without a new best, or ``log.early_stop_drop`` below the best); and at the
+    end, the best weights in place of the last ones where they beat them.
+
+    Every process samples its share of the prompts; the main process's numbers decide and it writes the files.
+    ``metric`` is the number watched: ``log.best_metric``, else the evaluator's ``headline``."""
+
+    def __init__(self, evaluator, cfg):
+        self.evaluator, self.log = evaluator, cfg.log
+        self.metric = cfg.log.best_metric or getattr(evaluator, "headline", "")
+        self.best: dict | None = None
+
+    # ------------------------------------------------------------------------------------------ hooks
+    def on_train_begin(self, trainer):
+        path = trainer.run_dir / "best.json"
+        self.best = json.loads(path.read_text()) if path.is_file() else None  # a resumed run's, on every process
+        if trainer.start_iteration == 0:
+            self.evaluate(trainer, "before")
+            self.curve_point(trainer, 0)
+
+    def on_iteration_end(self, trainer, it, row):
+        every = self.log.eval_every
+        if not every or not ((it + 1) % every == 0 or it == trainer.cfg.train.iterations - 1):
+            return None
+        stop = self.curve_point(trainer, it + 1)
+        if stop:
+            self.best["stopped_early"] = stop
+            self._write_best(trainer)
+        return stop
+
+    def on_train_end(self, trainer):
+        self.restore_best(trainer)
+        if trainer.start_iteration < trainer.cfg.train.iterations:
+            self.evaluate(trainer, "after")
+
+    # ------------------------------------------------------------------------------------------ the work
+    def evaluate(self, trainer, when: str) -> dict:
+        """The full evaluation of the (EMA) policy into eval.json[when]; after training, the before | after grid."""
+        with trainer.policy.ema_weights():
+            result, grid, labels = self.evaluator(trainer.eval_sampler, self.log.eval_seeds, grid=True)
+        if not trainer.procs.is_main:
+            return result
+        run_dir = trainer.run_dir
+        path = run_dir / "eval.json"
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        data[when] = result
+        data["about"] = {**getattr(self.evaluator, "about", {}), "headline": self.metric}  # what reports draw
+        report.atomic_write_bytes(path, json.dumps(data, indent=1).encode())
+        before_path = run_dir / "heldout_before.pt"
+        if when == "before":
+            torch.save(grid, before_path)
+        elif before_path.is_file():
+            before = torch.load(before_path, weights_only=True)
+            cols = grid.shape[0] // len(labels)
+            title = "held-out prompts: left before | right after" + "".join(
+                f"   {label} {data.get('before', {}).get(key, float('nan')):{fmt}} -> "
+                f"{result.get(key, float('nan')):{fmt}}"
+                for key, label, fmt in getattr(self.evaluator, "title_numbers", ()) if key in result)
+            report.save_grid(report.side_by_side(before, grid, cols), 2 * cols, run_dir / "before_after.png",
+                             row_labels=labels, title=title)
+        return result
+
+    def curve_point(self, trainer, done: int) -> str | None:
+        """One curve point after ``done`` iterations, with the work spent so far; a new best is kept. Returns why
+        the run should stop early, else None."""
+        log = self.log
+        if not log.eval_every:
+            return None
+        with trainer.policy.ema_weights():
+            result = self.evaluator(trainer.eval_sampler, log.eval_seeds[: log.eval_curve_seeds])
+        result = trainer.procs.broadcast(result)  # the main process's numbers decide everywhere
+        value = result.get(self.metric)
+        if not isinstance(value, (int, float)):
+            numbers = ", ".join(sorted(k for k, v in result.items() if isinstance(v, (int, float))))
+            if not self.metric:
+                raise ConfigError(f"log.best_metric: the {trainer.cfg.log.eval} evaluator names no headline number; "
+                                  f"set log.best_metric to one of {numbers}")
+            raise ConfigError(f"log.best_metric: the {trainer.cfg.log.eval} evaluator has no number "
+                              f"{self.metric!r}; use one of {numbers}")
+        if self.best is None or value > self.best["value"]:
+            self.best = {"iteration": done, "metric": self.metric, "value": value, "since": 0}
+            if log.keep_best and trainer.procs.is_main:  # the weights just evaluated (EMA where enabled)
+                p = trainer.policy
+                with p.ema_weights():
+                    save_checkpoint(trainer.run_dir / "checkpoints" / "best", trainer.adapter, p.module, p.optimizer,
+                                    done - 1, lora=p.lora, extra={"best": self.best}, keep=log.keep_checkpoints)
+        else:
+            self.best["since"] += 1
+        best = self.best
+        self._write_best(trainer)
+        if trainer.procs.is_main:
+            report.append_metrics(trainer.folder.curve, {"iteration": done, **trainer.work, **result})
+        name = self.metric
+        if log.early_stop_drop and best["value"] - value > log.early_stop_drop:
+            return (f"stopping early at iteration {done}: held-out {name} {value:.4f} fell more than "
+                    f"{log.early_stop_drop} below its best {best['value']:.4f} (iteration {best['iteration']})")
+        if log.early_stop_patience and best["since"] >= log.early_stop_patience:
+            return (f"stopping early at iteration {done}: no new best held-out {name} in {best['since']} curve points "
+                    f"(best {best['value']:.4f} at iteration {best['iteration']})")
+        return None
+
+    def _write_best(self, trainer) -> None:
+        if trainer.procs.is_main:
+            report.atomic_write_bytes(trainer.run_dir / "best.json", json.dumps(self.best, indent=1).encode())
+
+    def restore_best(self, trainer) -> None:
+        """End the run with the best curve point's weights when they beat the last point's (``log.keep_best``):
+        they become the policy (EMA reset to them) for the 'after' evaluation, and the run says so."""
+        trainer.procs.barrier()  # the main process has written checkpoints/best
+        best, ckpt = self.best, trainer.run_dir / "checkpoints" / "best"
+        if not (self.log.keep_best and best and ckpt.is_dir()):
+            return
+        last = report.read_metrics(trainer.folder.curve)[-1]
+        if last["iteration"] == best["iteration"] or last[best["metric"]] >= best["value"]:
+            return  # a last point that ties the best keeps the trained weights: the earlier ones do not beat it
+        policy = trainer.policy
+        (load_lora_into if policy.lora else load_full_into)(policy.module, ckpt, trainer.cfg)
+        policy.reset_ema()
+        best["ended_with"] = True  # `--checkpoint RUN_DIR` (sample, eval, export) then means these weights
+        self._write_best(trainer)
+        if trainer.procs.is_main:
+            print(f"the run ends with its best held-out weights: {best['metric']} {best['value']:.4f} at iteration "
+                  f"{best['iteration']} (last point {last[best['metric']]:.4f} at iteration {last['iteration']}); they "
+                  f"are in {ckpt}", file=sys.stderr)

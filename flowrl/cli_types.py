@@ -1,0 +1,32 @@
+"""Argument types shared by the command line and the commands plug-ins add to it: a bad value is one line."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def unit_interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must lie strictly between 0 and 1")
+    return value
+
+
+class Parser(argparse.ArgumentParser):
+    """Bad command-line arguments end in one line, like every other flowrl error."""
+
+    def error(self, message):
+        self.exit(2, f"flowrl: error: {self.prog}: {message} (see {self.prog} --help)\n")

@@ -1,0 +1,374 @@
+"""Training objectives: what an optimizer step minimises, given one iteration's rollout.
+
+An algorithm chooses its objective (:meth:`flowrl.algorithms.FlowGRPO.make_objective`); the trainer's one
+optimisation loop (:func:`flowrl.optimise.optimise`) drives it through the small :class:`Objective` protocol:
+
+1. :meth:`~Objective.work_items` turns the iteration into units of gradient work (drawing what it needs);
+2. per minibatch, :meth:`~Objective.begin_minibatch`, then :meth:`~Objective.micro_batch_loss` for each
+   micro-batch of this process's share, then :meth:`~Objective.end_minibatch` (extra terms of the minibatch);
+3. :meth:`~Objective.statistics` after the last step: the update's numbers, gathered over processes.
+
+Two objectives ship. :class:`TransitionObjective` scores the sampler's own stochastic transitions (log-prob of
+each trained edge, ratio to the rollout's, PPO clip, KLs to a reference at the trained and the untrained steps,
+GRPO-Guard's normalised ratio as an option, a compiled fused path): every GRPO-style method. 
+:class:`ForwardProcessObjective` re-noises the clean samples and applies the algorithm's per-sample loss on the
+forward process (DiffusionNFT).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from . import losses
+from .losses import gaussian_kl_same_std, guard_log_ratio, kl_std, ppo_clip_loss
+from .samplers.kernels import step as kernel_step
+
+
+@dataclass
+class TrainingParts:
+    """What an objective computes with: the model adapter, the trained policy (weights, reference, old and EMA
+    copies, its accelerator), the process group, the rollout grid and the negative prompt's conditioning for CFG,
+    and the kernel options of the configured sampler."""
+
+    cfg: Any  # flowrl.config.Config
+    adapter: Any  # flowrl.models.common.Adapter
+    policy: Any  # flowrl.policy.Policy
+    procs: Any  # flowrl.distributed.Processes
+    sigmas: torch.Tensor  # (T + 1,) the rollout grid
+    negative: Any  # the negative prompt's conditioning (CFG), or None
+    kernel_options: dict  # extra keyword arguments of the step kernel (flowrl.sampling.kernel_options)
+
+    @property
+    def device(self) -> torch.device:
+        return self.adapter.device
+
+    @property
+    def accelerator(self):
+        return self.policy.accelerator
+
+
+@dataclass
+class UpdateBatch:
+    """One iteration's rollout as the objective sees it."""
+
+    tree: Any  # flowrl.engine.Tree
+    cond: Any  # the prompts' conditioning, indexed by prompt row
+    node_adv: list[torch.Tensor]  # per round (N_r,): the advantage of the edge into each node
+    masks: list[torch.Tensor]  # per round (N_r,) bool: that edge is trained this iteration
+
+
+class Objective(Protocol):
+    def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list: ...
+
+    def item_size(self, item) -> int:
+        """Transformer inputs one item puts through a forward (its share of the micro-batch)."""
+
+    def item_rows(self, item) -> int:
+        """Loss rows the item contributes; a minibatch's loss is the mean over its rows."""
+
+    def begin_minibatch(self, items: list, gen: torch.Generator) -> None: ...
+
+    def micro_batch_loss(self, numbered: list[tuple[int, Any]]) -> torch.Tensor:
+        """The summed loss of this micro-batch's rows; ``numbered`` pairs each item with its place in the
+        minibatch (the same on every process)."""
+
+    def end_minibatch(self, gen: torch.Generator) -> torch.Tensor | None:
+        """After the micro-batches' backwards: an extra loss of the minibatch to back-propagate, or None."""
+
+    def statistics(self) -> dict: ...
+
+
+def velocities(parts: TrainingParts, x: torch.Tensor, sigma: torch.Tensor, cond, with_reference: bool):
+    """(v, v_ref or None) at the states x (N, *latent): the policy's velocity with its graph, and the KL
+    reference's without one. The reference goes first: an EMA reference swaps the weights in place, which must
+    not touch v's graph."""
+    cfg, policy = parts.cfg, parts.policy
+    g = cfg.sampler.guidance_scale if cfg.train.cfg else 1.0
+    v_ref = None
+    if with_reference:
+        with torch.no_grad(), policy.reference(), policy.accelerator.autocast():
+            v_ref = parts.adapter.velocity(x, sigma, cond, g, parts.negative)
+    with policy.accelerator.autocast():
+        v = parts.adapter.velocity(x, sigma, cond, g, parts.negative)
+    return v, v_ref
+
+
+class TransitionObjective:
+    """PPO-clip on the sampler's transitions. Each work item is a parent state with its trained edges (or a chunk
+    of them, Chunk-GRPO); one transformer pass per parent serves all its edges. The algorithm turns per-edge
+    log-ratios into loss rows (:meth:`loss_rows`: per edge, per chunk) and may weight steps (:meth:`loss_weights`).
+
+    Terms per row: ``max(-A r, -A clip(r))`` with ``r = exp(logp - logp_old)`` (the mean-over-elements log-prob),
+    plus ``train.kl_beta`` x the Gaussian KL to the reference transition; per minibatch, ``train.kl_untrained_beta``
+    x the mean KL at ``train.kl_untrained_states`` states of the untrained (ODE) steps. ``train.grpo_guard`` replaces
+    each edge's log-ratio by GRPO-Guard's centred, std-scaled form and divides each step's loss by its |dt|."""
+
+    def __init__(self, algorithm, parts: TrainingParts):
+        self.algorithm, self.parts, self.cfg = algorithm, parts, algorithm.cfg
+        self.guard = self.cfg.train.grpo_guard
+        self.fused = (losses.compiled_edge_objective() if self.cfg.train.fused_loss and algorithm.per_edge_rows
+                      and not self.guard else None)  # GRPO-Guard rewrites the log-ratio: the eager path
+
+    @property
+    def needs_sampling_mean(self) -> bool:
+        """The rollout must keep each edge's sampling mean (GRPO-Guard's normalisation needs the old mean)."""
+        return self.guard
+
+    # ------------------------------------------------------------------------------------------ the update
+    def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
+        algo, tree, cfg = self.algorithm, batch.tree, self.cfg
+        self.batch = batch
+        items = algo.work_items(tree, batch.node_adv, batch.masks, gen)
+        self.weights = algo.loss_weights(tree, batch.masks)
+        if self.guard:  # GRPO-Guard's per-step reweighting: each step's loss divided by its |dt|
+            dt = (tree.sigmas[:-1] - tree.sigmas[1:]).abs().tolist()
+            self.weights = {i: (self.weights or {}).get(i, 1.0) / d for i, d in enumerate(dt) if d > 0}
+        self.untrained = untrained_states(tree) if cfg.train.kl_untrained_beta > 0 else None
+        self.rows = {k: [] for k in ("ratio", "clipped", "kl", "policy_loss", "approx_kl", "step")}
+        self.untrained_kls, self.mb_ratios, self.first = [], [], True
+        self.nfe, self.first_deviation = 0, 0.0
+        self.trained_edges = sum(len(u.children) for it in items for u in it)
+        self.num_items = len(items)
+        return items
+
+    def item_size(self, item) -> int:
+        return len(item)
+
+    def item_rows(self, item) -> int:
+        return self.algorithm.item_rows(item)
+
+    def begin_minibatch(self, items: list, gen: torch.Generator) -> None:
+        self.mb_ratios = []
+
+    def micro_batch_loss(self, numbered: list[tuple[int, Any]]) -> torch.Tensor:
+        cfg = self.cfg
+        group = [item for _, item in numbered]
+        units = [u for it in group for u in it]
+        logp, old, adv, kl, step, fused = self._edge_terms(units)
+        if fused is not None:  # per-edge rows, computed whole by the compiled objective
+            loss_r, ratio = fused
+        else:
+            log_ratio, adv, kl, step = self.algorithm.loss_rows(group, logp, old, adv, kl, step)  # (E,) -> (R,)
+            loss_r, ratio = ppo_clip_loss(log_ratio, torch.zeros_like(log_ratio), adv, cfg.train.clip_range)
+        row_loss = loss_r + cfg.train.kl_beta * kl
+        if self.weights is not None:  # (R,) the weight of each row's step
+            row_loss = row_loss * torch.tensor([self.weights[int(i)] for i in step], device=row_loss.device)
+        self.nfe += len(units)
+        ratio = ratio.detach()
+        self.mb_ratios.append(ratio)
+        r = self.rows
+        r["ratio"].append(ratio)
+        r["clipped"].append(((ratio - 1).abs() > cfg.train.clip_range).float())
+        r["kl"].append(kl.detach())
+        r["policy_loss"].append(loss_r.detach())
+        r["approx_kl"].append(0.5 * (logp.detach() - old) ** 2)
+        r["step"].append(step)
+        return row_loss.sum()
+
+    def end_minibatch(self, gen: torch.Generator) -> torch.Tensor | None:
+        cfg, procs = self.cfg, self.parts.procs
+        if self.first:  # the first minibatch sees the rollout's own weights: every ratio is 1 up to float error
+            dev_first = float((torch.cat(self.mb_ratios) - 1).abs().max()) if self.mb_ratios else 0.0
+            self.first_deviation = max(procs.gather([dev_first]))
+            self.first = False
+        if self.untrained is None or not len(self.untrained[0]):
+            return None
+        pick = torch.randperm(len(self.untrained[0]), generator=gen)[:cfg.train.kl_untrained_states]
+        mine = torch.tensor(procs.share(pick.tolist()), dtype=torch.long)  # the draw is shared across processes
+        if not len(mine):
+            return None
+        ukl = self._untrained_kl(self.untrained[0][mine], self.untrained[1][mine])
+        self.nfe += len(mine)
+        self.untrained_kls.append(ukl.detach())
+        return cfg.train.kl_untrained_beta * ukl.sum() / len(pick)
+
+    def statistics(self) -> dict:
+        procs = self.parts.procs
+        stats = {"trained_edges": self.trained_edges, "work_items": self.num_items, "nfe_train": 0,
+                 "clipfrac": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0, "ratio_std": 0.0, "policy_loss": 0.0,
+                 "kl_loss": 0.0, "ratio_max_abs_dev_first_update": 0.0}
+        if not self.num_items:
+            return stats
+        r = self.rows  # every process's rows, so the statistics are the whole update's
+        ratios, clipped, approx, kls, pls, steps = procs.gather_rows(r["ratio"], r["clipped"], r["approx_kl"], r["kl"],
+                                                                     r["policy_loss"], r["step"])
+        ratio = torch.cat(ratios).cpu()
+        step = torch.cat(steps)
+        stats.update({
+            "nfe_train": procs.sum(self.nfe), "ratio_max_abs_dev_first_update": self.first_deviation,
+            "clipfrac": float(torch.cat(clipped).mean()), "approx_kl": float(torch.cat(approx).mean()),
+            "ratio_mean": float(ratio.mean()), "ratio_std": float(ratio.std(correction=0)),
+            "policy_loss": float(torch.cat(pls).mean()), "kl_loss": float(torch.cat(kls).mean()),
+            "mean_abs_log_ratio": float(ratio.log().abs().mean()),
+        })
+        if self.untrained is not None:  # this process's states (the mean differs little across processes)
+            stats["kl_untrained"] = float(torch.cat(self.untrained_kls).mean()) if self.untrained_kls else 0.0
+        for step_idx in step.unique().tolist():
+            stats[f"ratio_mean/step{step_idx}"] = float(ratio[step == step_idx].mean())
+        return stats
+
+    # ------------------------------------------------------------------------------------------ the terms
+    def _edge_terms(self, units: list):
+        """Forward one micro-batch of parent states; returns per-edge (E,) log_prob, old, adv, kl, step index and
+        the fused path's (loss, ratio) or None."""
+        cfg, parts, tree = self.cfg, self.parts, self.batch.tree
+        dev = parts.device
+        p_rnd = torch.tensor([u.depth for u in units])  # (U,) round and position of each parent state
+        p_pos = torch.tensor([u.parent for u in units])
+        x = tree.gather(tree.latents, p_rnd, p_pos).to(dev)  # (U, *latent)
+        parent_index = tree.gather(tree.index, p_rnd, p_pos)
+        sig = tree.sigmas[parent_index].to(dev)
+        rows = tree.gather(tree.group, p_rnd, p_pos).to(dev)
+        v, v_ref = velocities(parts, x, sig, self.batch.cond.index(rows), cfg.train.kl_beta > 0)  # (U, *latent)
+        # expand parents to their child edges: (E,) per-edge parent slot, child round and position
+        pos = torch.tensor([i for i, u in enumerate(units) for _ in u.children], device=dev)
+        rnd = torch.tensor([u.depth + 1 for u in units for _ in u.children])
+        child = torch.tensor([c for u in units for c in u.children])
+        prev = tree.gather(tree.latents, rnd, child).to(dev)
+        old = tree.gather(tree.log_prob, rnd, child)
+        adv = tree.gather(self.batch.node_adv, rnd, child).float()
+        level = tree.gather(tree.level, rnd, child)
+        s = tree.sigmas[parent_index[pos.cpu()]]
+        s_next = tree.sigmas[tree.gather(tree.index, rnd, child)]
+        logp = torch.empty(len(child), device=dev)
+        kl = torch.zeros(len(child), device=dev)
+        adv = adv.to(dev).clamp(-cfg.advantage.clip, cfg.advantage.clip)
+        options = parts.kernel_options
+        sigma_at_one = float(tree.sigmas[1])
+        fused = self.fused
+        loss_and_ratio = (torch.empty(len(child), device=dev), torch.empty(len(child), device=dev)) if fused else None
+        for lv in level.unique().tolist():  # the kernels take one noise level per call
+            m = (level == lv).nonzero().flatten()
+            md = m.to(dev)
+            if fused:  # log-prob, ratio, clip and KL in one compiled function
+                loss_m, ratio_m, logp[md], kl[md] = fused(
+                    x[pos[md]], v[pos[md]], s[m].to(dev), s_next[m].to(dev), prev[md], old[m].to(dev), adv[md],
+                    None if v_ref is None else v_ref[pos[md]], kernel=cfg.sampler.kernel, noise_level=lv,
+                    sigma_at_one=sigma_at_one, clip_range=cfg.train.clip_range, reduce=cfg.train.log_prob_reduce,
+                    kl_std_mode=cfg.train.kl_std, kernel_options=options)
+                loss_and_ratio[0][md], loss_and_ratio[1][md] = loss_m, ratio_m
+                continue
+            out = kernel_step(cfg.sampler.kernel, x[pos[md]], v[pos[md]], s[m], s_next[m], noise_level=lv,
+                              sigma_at_one=sigma_at_one, prev_sample=prev[md], reduce=cfg.train.log_prob_reduce,
+                              **options)
+            logp[md] = out.log_prob
+            if self.guard:  # the normalised log-ratio, carried as old + (logp - old + bias) * s
+                mean_old = tree.gather(tree.mean, rnd[m], child[m]).to(dev)
+                logp[md] = old[m].to(dev) + guard_log_ratio(out.log_prob, old[m].to(dev), out.mean, mean_old, out.std)
+            if v_ref is not None:
+                kl[md] = kl_to_reference(cfg, out, x[pos[md]], v_ref[pos[md]], s[m], s_next[m], prev[md], lv,
+                                         sigma_at_one, options)
+        step_index = parent_index[pos.cpu()]
+        return logp, old.to(dev), adv, kl, step_index, loss_and_ratio
+
+    def _untrained_kl(self, rounds: torch.Tensor, child: torch.Tensor) -> torch.Tensor:
+        """Per state (K,): the KL between the trained and the reference policy's full-rank SDE transitions at
+        sampler.noise_level from the parents of the given untrained edges (train.kl_untrained_beta)."""
+        cfg, tree, dev = self.cfg, self.batch.tree, self.parts.device
+        parent = tree.gather(tree.parent, rounds, child)
+        x = tree.gather(tree.latents, rounds - 1, parent).to(dev)  # (K, *latent)
+        s = tree.sigmas[tree.gather(tree.index, rounds - 1, parent)]
+        s_next = tree.sigmas[tree.gather(tree.index, rounds, child)]
+        rows = tree.gather(tree.group, rounds - 1, parent).to(dev)
+        v, v_ref = velocities(self.parts, x, s.to(dev), self.batch.cond.index(rows), True)  # (K, *latent) each
+        nxt = tree.gather(tree.latents, rounds, child).to(dev)  # scored only because the kernel asks for a sample
+        level, sigma_at_one = cfg.sampler.noise_level, float(tree.sigmas[1])
+        out = kernel_step(cfg.sampler.kernel, x, v, s, s_next, noise_level=level, sigma_at_one=sigma_at_one,
+                          prev_sample=nxt)
+        return kl_to_reference(cfg, out, x, v_ref, s, s_next, nxt, level, sigma_at_one, {})  # full rank: no options
+
+
+def untrained_states(tree) -> tuple[torch.Tensor, torch.Tensor]:
+    """(round, position) of every child node whose edge the plan leaves untrained (an ODE step of the rollout):
+    its parent is the state, the child's grid index the step's end. (K,), (K,)."""
+    rounds, pos = [], []
+    for r in range(1, tree.num_rounds + 1):
+        p = torch.nonzero(~tree.trained[r]).flatten()
+        rounds.append(torch.full_like(p, r))
+        pos.append(p)
+    return torch.cat(rounds), torch.cat(pos)
+
+
+def kl_to_reference(cfg, out, x, v_ref, s, s_next, prev, noise_level: float, sigma_at_one: float,
+                    options: dict) -> torch.Tensor:
+    """Per transition (N,): the Gaussian KL between the policy's step ``out`` (kernel_step's result from x) and
+    the reference's step with velocity v_ref, over the same std (train.kl_std)."""
+    dev = out.mean.device
+    ref = kernel_step(cfg.sampler.kernel, x, v_ref, s, s_next, noise_level=noise_level, sigma_at_one=sigma_at_one,
+                      prev_sample=prev, **options)
+    std = kl_std(cfg.train.kl_std, out.std, s.to(dev), s_next.to(dev))
+    return gaussian_kl_same_std(out.mean, ref.mean, std)
+
+
+class ForwardProcessObjective:
+    """Training on the forward process: every clean leaf x0 is re-noised at the algorithm's timesteps t
+    (``x_t = (1 - t) x0 + t eps``) and the algorithm's per-sample loss (``forward_process_loss``) is minimised,
+    with the old policy's velocity beside the trained one's, plus ``train.kl_beta`` x mean((v - v_ref)^2)."""
+
+    needs_sampling_mean = False
+
+    def __init__(self, algorithm, parts: TrainingParts):
+        self.algorithm, self.parts, self.cfg = algorithm, parts, algorithm.cfg
+
+    def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
+        cfg, tree, dev = self.cfg, batch.tree, self.parts.device
+        self.cond = batch.cond
+        self.x0 = tree.leaves.to(dev)  # (L, *latent) clean samples
+        self.adv = tree.leaf_values(batch.node_adv).float().clamp(-cfg.advantage.clip, cfg.advantage.clip)  # (L,)
+        self.prompt_rows = tree.leaf_group
+        self.t = self.algorithm.training_timesteps(self.x0.shape[0], self.parts.sigmas, gen)  # (L, k) sigmas
+        self.losses, self.kls, self.gaps, self.nfe = [], [], [], 0
+        return [(i, j) for i in range(self.t.shape[0]) for j in range(self.t.shape[1])]
+
+    def item_size(self, item) -> int:
+        return 1
+
+    def item_rows(self, item) -> int:
+        return 1
+
+    def begin_minibatch(self, items: list, gen: torch.Generator) -> None:
+        # the whole minibatch's re-noising draws, on every process, so an item's noise is its own
+        self.eps = torch.randn((len(items), *self.x0.shape[1:]), generator=gen)  # (M, *latent)
+
+    def micro_batch_loss(self, numbered: list[tuple[int, Any]]) -> torch.Tensor:
+        cfg, parts, policy = self.cfg, self.parts, self.parts.policy
+        dev, adapter, autocast = parts.device, parts.adapter, parts.accelerator.autocast
+        li = torch.tensor([i for _, (i, _) in numbered])
+        t = self.t[li, torch.tensor([j for _, (_, j) in numbered])].to(dev)  # (B,)
+        x0 = self.x0[li.to(dev)]
+        eps = self.eps[[n for n, _ in numbered]].to(dev)  # (B, *latent)
+        tt = t.view(-1, *([1] * (x0.ndim - 1)))
+        x_t = (1 - tt) * x0 + tt * eps  # (B, *latent) on the forward process
+        rows = self.cond.index(self.prompt_rows[li].to(self.cond.embeds.device))
+        with torch.no_grad(), autocast():  # before v: the swaps are in place
+            with policy.old_weights():
+                v_old = adapter.velocity(x_t, t, rows)
+            v_ref = None
+            if cfg.train.kl_beta > 0:
+                with policy.reference():
+                    v_ref = adapter.velocity(x_t, t, rows)
+        with autocast():
+            v = adapter.velocity(x_t, t, rows)
+        dims = tuple(range(1, x0.ndim))
+        loss = self.algorithm.forward_process_loss(x0, x_t, t, v, v_old, self.adv[li].to(dev))  # (B,)
+        kl = ((v - v_ref) ** 2).mean(dim=dims) if v_ref is not None else torch.zeros_like(loss)
+        self.nfe += len(numbered)
+        self.losses.append(loss.detach())
+        self.kls.append(kl.detach())
+        self.gaps.append(((v.detach() - v_old) ** 2).mean(dim=dims))
+        return (loss + cfg.train.kl_beta * kl).sum()
+
+    def end_minibatch(self, gen: torch.Generator) -> torch.Tensor | None:
+        return None
+
+    def statistics(self) -> dict:
+        procs = self.parts.procs
+        losses, kls, gaps = procs.gather_rows(self.losses, self.kls, self.gaps)
+        return {"trained_edges": 0, "work_items": self.t.numel(), "nfe_train": procs.sum(self.nfe),
+                "clipfrac": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0, "ratio_std": 0.0,
+                "ratio_max_abs_dev_first_update": 0.0, "policy_loss": float(torch.cat(losses).mean()),
+                "kl_loss": float(torch.cat(kls).mean()), "mean_abs_log_ratio": 0.0,
+                "old_policy_gap": float(torch.cat(gaps).mean())}  # mean (v - v_old)^2: how far the old lags

@@ -1,0 +1,62 @@
+"""The one optimisation loop every objective runs through: inner epochs, minibatches, micro-batches with gradient
+accumulation, the gradient sum over processes, clipping, the optimizer step, the EMA, and the non-finite check.
+
+The objective (flowrl/objectives.py) says what a work item is and what it costs; this loop says how many go into
+an optimizer step and in which order. All draws come from the iteration's generator, on every process alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import FlowRLError
+from .objectives import Objective, UpdateBatch
+
+
+def micro_batches(numbered: list, max_size: int, size):
+    """Consecutive groups of (index, item) pairs whose items hold at most ``max_size`` transformer inputs by
+    ``size(item)`` (at least one item per group)."""
+    group, total = [], 0
+    for pair in numbered:
+        n = size(pair[1])
+        if group and total + n > max_size:
+            yield group
+            group, total = [], 0
+        group.append(pair)
+        total += n
+    if group:
+        yield group
+
+
+def optimise(objective: Objective, batch: UpdateBatch, policy, procs, train_cfg, gen: torch.Generator) -> dict:
+    """Train ``policy`` on one iteration's ``batch`` with ``objective``; returns the update's statistics
+    (the objective's, plus optimizer_steps and the mean pre-clip gradient norm)."""
+    accelerator, opt = policy.accelerator, policy.optimizer
+    policy.adapter.transformer.train()
+    items = objective.work_items(batch, gen)
+    steps, grad_norms = 0, []
+    for _ in range(train_cfg.inner_epochs if items else 0):
+        order = torch.randperm(len(items), generator=gen).tolist()
+        n_mb = min(train_cfg.num_minibatches, len(order))
+        for mb in range(n_mb):
+            mb_items = [items[i] for i in order[mb::n_mb]]
+            n_rows = sum(objective.item_rows(it) for it in mb_items)  # the whole minibatch's, on every process
+            objective.begin_minibatch(mb_items, gen)
+            opt.zero_grad(set_to_none=True)
+            for group in micro_batches(procs.share(list(enumerate(mb_items))), train_cfg.micro_batch,
+                                       objective.item_size):
+                accelerator.backward(objective.micro_batch_loss(group) / n_rows)
+            extra = objective.end_minibatch(gen)
+            if extra is not None:
+                accelerator.backward(extra)
+            procs.sum_gradients(policy.params)
+            grad_norms.append(float(accelerator.clip_grad_norm_(policy.params, train_cfg.max_grad_norm)))
+            if not torch.isfinite(torch.tensor(grad_norms[-1])):  # before the step: the weights stay finite
+                raise FlowRLError("non-finite gradient norm; lower train.lr or use fp32 (train.mixed_precision=no)")
+            opt.step()
+            steps += 1
+            if policy.ema is not None and steps % train_cfg.ema.update_every == 0:
+                policy.ema.step(policy.params)
+    stats = objective.statistics()
+    stats.update({"optimizer_steps": steps, "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0})
+    return stats

@@ -1,0 +1,76 @@
+"""Run-folder files: atomic writes, CSV, and metrics rows (JSON lines) that survive a crash."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def write_csv(path: Path, rows: list[dict], fieldnames: list[str] | None = None) -> None:
+    """CSV written whole and renamed into place, so an interrupted run leaves no half-written file."""
+    import io
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=fieldnames or (list(rows[0]) if rows else []))
+    writer.writeheader()
+    writer.writerows(rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, buf.getvalue().encode("utf-8"))
+
+
+def append_metrics(path: Path, row: dict) -> None:
+    """One row, flushed to disk before returning (a crash loses at most the row being written)."""
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(row, sort_keys=False) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_metrics(path: Path, warn: bool = True) -> list[dict]:
+    """Every readable row; a damaged line (cut by a crash, edited by hand) is skipped and named on stderr,
+    and the rows after it are kept."""
+    import sys
+
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+            if isinstance(row, dict):
+                rows.append(row)
+            elif warn:
+                print(f"flowrl: warning: {path}:{n} is not a metrics row; skipped", file=sys.stderr)
+    return rows
+
+
+def truncate_metrics(path: Path, before_iteration: int) -> list[dict]:
+    """Keep only rows of iterations < ``before_iteration`` (used on resume); returns the rows removed."""
+    if not Path(path).is_file():
+        return []
+    rows = read_metrics(path)
+    keep = [r for r in rows if r.get("iteration", 0) < before_iteration]
+    atomic_write_bytes(Path(path), "".join(json.dumps(r) + "\n" for r in keep).encode())
+    return [r for r in rows if r.get("iteration", 0) >= before_iteration]
+
+
+def save_figure(fig, path: Path) -> None:
+    """A matplotlib figure written to a temporary name and renamed into place, then closed."""
+    import matplotlib.pyplot as plt
+
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(tmp, path)

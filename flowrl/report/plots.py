@@ -1,0 +1,82 @@
+"""The reward curve of a run: the training reward per iteration beside the held-out curve."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .files import read_metrics, save_figure
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average over ``window`` points (window 1 = raw)."""
+    out, acc = [], []
+    for v in values:
+        acc.append(v)
+        if len(acc) > window:
+            acc.pop(0)
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def plot_reward_curve(run_dir: Path) -> Path | None:
+    """reward_curve.png: mean reward (+- std band) per iteration, one panel per reward component."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    if not rows:
+        return None
+    components = [k[len("reward_mean/"):] for k in rows[0] if k.startswith("reward_mean/") and k != "reward_mean/total"]
+    panels = ["total"] + components if len(components) > 1 else ["total"]
+    evals, about = {}, {}
+    if (run_dir / "eval.json").is_file():  # the held-out headline number before / after, next to the training reward
+        data = json.loads((run_dir / "eval.json").read_text())
+        about = data.get("about", {})  # which number the evaluator headlines, and its title
+        if about.get("headline"):
+            evals = {k: v for k, v in data.items() if k in ("before", "after") and isinstance(v, dict)}
+    fig, axes = plt.subplots(1, len(panels) + bool(evals), figsize=(4.5 * (len(panels) + bool(evals)), 3.4),
+                             squeeze=False)
+    its = [r["iteration"] for r in rows]
+    for ax, key in zip(axes[0], panels):
+        mean = [r.get(f"reward_mean/{key}", float("nan")) for r in rows]
+        std = [r.get(f"reward_std/{key}", 0.0) for r in rows]
+        ax.plot(its, mean, color="C0", lw=1.2, label="mean")
+        ax.fill_between(its, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], color="C0",
+                        alpha=0.2, label="+-1 std")
+        if len(mean) >= 5:
+            ax.plot(its, smooth(mean, max(3, len(mean) // 10)), color="C3", lw=1.5, label="smoothed")
+        ax.set_title(f"reward: {key} (training rollouts)")
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    if evals:
+        ax = axes[0][-1]
+        where, label = {"before": 0, "after": rows[-1]["iteration"] + 1}, "full evaluation"
+        best = json.loads((run_dir / "best.json").read_text()) if (run_dir / "best.json").is_file() else {}
+        if best.get("ended_with"):  # the run ended with its best curve point's weights: "after" is drawn there
+            where["after"], label = best["iteration"], f"full evaluation (after: iteration {best['iteration']}'s weights)"
+        key, scale = about["headline"], about.get("scale", 1.0)
+        points = [(where[k], scale * v[key]) for k, v in evals.items() if k in where and key in v]
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color="C2", label=label)
+        curve = read_metrics(run_dir / "eval_curve.jsonl")
+        if curve:  # the periodic points use fewer seeds: noisier, drawn thinner
+            unit = "videos" if "videos" in curve[0] else "images"
+            ax.plot([c["iteration"] for c in curve], [scale * c.get(key, float("nan")) for c in curve], ".--",
+                    color="C4", lw=1,
+                    label=f"every log.eval_every ({curve[0].get(unit, 0)} {unit})")
+            ax.legend(fontsize=7)
+        for x, y in points:
+            ax.annotate(f"{y:.1f}{about.get('unit', '')}", (x, y), textcoords="offset points", xytext=(0, 6),
+                        ha="center", fontsize=8)
+        ax.margins(x=0.1, y=0.3)
+        ax.set_title(about.get("title", f"held-out {key}"))
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(about.get("unit", key))
+        ax.grid(alpha=0.3)
+    fig.suptitle(run_dir.name, fontsize=9)
+    out = run_dir / "reward_curve.png"
+    save_figure(fig, out)
+    return out

@@ -1,0 +1,94 @@
+"""The shapes demo's commands: pretraining the embedded tiny image and video models and the tiny CLIP. They
+join ``flowrl``'s command line through the registry (``COMMANDS``), so the core CLI knows nothing of them."""
+
+from __future__ import annotations
+
+import json
+
+from ..cli_types import positive_int, unit_interval
+
+
+def cmd_pretrain_tiny(args) -> int:
+    from .pretrain import pretrain_tiny
+
+    pretrain_tiny(args.work_dir, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
+                  save_every=args.save_every, grid_every=args.grid_every, export_dir=args.export_dir,
+                  decay_from=args.decay_from, lr_final=args.lr_final, init_from=args.init_from,
+                  eval_every=args.eval_every)
+    return 0
+
+
+def cmd_pretrain_tiny_video(args) -> int:
+    from .pretrain_video import pretrain_tiny_video
+
+    pretrain_tiny_video(args.work_dir, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
+                        save_every=args.save_every, eval_every=args.eval_every, export_dir=args.export_dir,
+                        decay_from=args.decay_from, lr_final=args.lr_final, shift=args.shift,
+                        init_from=args.init_from, motion_weight=args.motion_weight,
+                        high_noise_expert=args.high_noise_expert, boundary=args.boundary,
+                        patch_size=tuple(args.patch_size) if args.patch_size else None)
+    return 0
+
+
+def cmd_pretrain_tiny_clip(args) -> int:
+    from .tiny_clip import pretrain_tiny_clip
+
+    print(json.dumps(pretrain_tiny_clip(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
+                                        export_dir=args.export_dir)))
+    return 0
+
+
+def add_commands(sub) -> None:
+    """Add the pretraining subcommands to ``flowrl``'s subparsers."""
+    pt = sub.add_parser("pretrain-tiny", help="pretrain the embedded tiny model on the shapes domain (CPU, resumable)")
+    pt.add_argument("--work-dir", default="runs/pretrain-tiny", help="state, grids; rerun to resume")
+    pt.add_argument("--steps", type=int, default=4000)
+    pt.add_argument("--batch", type=int, default=32)
+    pt.add_argument("--lr", type=float, default=1e-3)
+    pt.add_argument("--seed", type=int, default=0)
+    pt.add_argument("--save-every", type=int, default=250)
+    pt.add_argument("--grid-every", type=int, default=500)
+    pt.add_argument("--export-dir", default=None, help="default: assets/tiny_shapes")
+    pt.add_argument("--decay-from", type=int, default=None,
+                    help="step at which a cosine learning-rate decay starts (ends at --steps); default constant")
+    pt.add_argument("--lr-final", type=float, default=0.1, help="final learning rate as a fraction of --lr")
+    pt.add_argument("--init-from", default=None,
+                    help="an exported tiny shapes model folder (e.g. assets/tiny_shapes) to continue pretraining: its "
+                         "weights start the run and the EMA, with a fresh optimizer; the export records it")
+    pt.add_argument("--eval-every", type=int, default=0,
+                    help="held-out accuracy of the EMA weights (24 captions x 4 seeds) every that many steps, "
+                         "printed and kept in <work-dir>/progress.jsonl; 0 = none")
+    pt.set_defaults(func=cmd_pretrain_tiny)
+    pv = sub.add_parser("pretrain-tiny-video", help="pretrain the embedded tiny video model on the moving-shapes "
+                        "domain (CPU, resumable)")
+    pv.add_argument("--work-dir", default="runs/pretrain-tiny-video", help="state, grids, progress; rerun to resume")
+    pv.add_argument("--steps", type=int, default=6000)
+    pv.add_argument("--batch", type=int, default=32)
+    pv.add_argument("--lr", type=float, default=1e-3)
+    pv.add_argument("--seed", type=int, default=0)
+    pv.add_argument("--save-every", type=int, default=250)
+    pv.add_argument("--eval-every", type=int, default=1000, help="held-out readout and video grid every N steps")
+    pv.add_argument("--export-dir", default=None, help="default: assets/tiny_moving_shapes")
+    pv.add_argument("--decay-from", type=int, default=None,
+                    help="step at which a cosine learning-rate decay starts (ends at --steps); default constant")
+    pv.add_argument("--lr-final", type=float, default=0.1, help="final learning rate as a fraction of --lr")
+    pv.add_argument("--shift", type=float, default=1.0, help="time shift of the training sigmas and the exported "
+                    "scheduler (3 puts more training at high noise, where the layout is decided)")
+    pv.add_argument("--init-from", help="warm start: the transformer of an earlier run's state folder "
+                    "(<work-dir>/state) or exported model folder; its text encoder too when the shapes match")
+    pv.add_argument("--motion-weight", type=float, default=0.0,
+                    help="extra weight on the frame-to-frame differences of the flow-matching target")
+    pv.add_argument("--patch-size", type=positive_int, nargs=3, metavar=("T", "H", "W"),
+                    help="the transformer's patch (default 1 4 4); 4 4 4 puts the four frames in every token")
+    pv.add_argument("--high-noise-expert", help="an exported model folder: train a Wan 2.2-style low-noise expert "
+                    "for it (sigmas below --boundary, its text encoder frozen) and export the two-expert model")
+    pv.add_argument("--boundary", type=unit_interval, default=0.875, help="the two experts' boundary in sigma (Wan "
+                    "2.2 text-to-video: 0.875)")
+    pv.set_defaults(func=cmd_pretrain_tiny_video)
+    pc = sub.add_parser("pretrain-tiny-clip", help="train the tiny shapes CLIP (open_clip architecture) on the CPU")
+    pc.add_argument("--steps", type=int, default=1500)
+    pc.add_argument("--batch", type=int, default=64)
+    pc.add_argument("--lr", type=float, default=1e-3)
+    pc.add_argument("--seed", type=int, default=0)
+    pc.add_argument("--export-dir", default=None, help="default: assets/tiny_clip")
+    pc.set_defaults(func=cmd_pretrain_tiny_clip)
