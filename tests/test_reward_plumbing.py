@@ -154,7 +154,7 @@ def test_the_reward_worker_ends_with_training_and_on_error(tmp_path):
     from flowrl.trainer import Trainer
     from tests.helpers import FailsOnSecondCall
 
-    before = _reward_threads()
+    before = _reward_threads()  # workers of other tests' trainers that were never trained to the end
     cfg = make_cfg(tmp_path / "ok", "train.iterations=1", "sampler.rollout_batches=2", "train.prompts_per_iter=2")
     trainer = Trainer(cfg)
     seen = []
@@ -162,11 +162,11 @@ def test_the_reward_worker_ends_with_training_and_on_error(tmp_path):
     trainer.runner.rewards = lambda *a: (seen.append(trainer.runner.reward_worker_running), score(*a))[1]
     trainer.train()
     assert seen == [True, True]  # both batches were scored while the worker was up
-    assert not trainer.runner.reward_worker_running and _reward_threads() == before
+    assert not trainer.runner.reward_worker_running and set(_reward_threads()) <= set(before)
     FailsOnSecondCall.calls = 0
     cfg = make_cfg(tmp_path / "fails", "train.iterations=2", "sampler.rollout_batches=2", "train.prompts_per_iter=2",
                    "rewards=[{name: 'tests.helpers:FailsOnSecondCall'}]")
     trainer = Trainer(cfg)
     with pytest.raises(Exception, match="the reward went away"):
         trainer.train()
-    assert not trainer.runner.reward_worker_running and _reward_threads() == before
+    assert not trainer.runner.reward_worker_running and set(_reward_threads()) <= set(before)

@@ -53,7 +53,7 @@ def test_first_update_ratio_is_one_and_lora_changes(tmp_path):
             ref = tr.adapter.velocity(x, torch.tensor([0.7, 0.7]), cond)
     assert not torch.allclose(tuned, base_out)
     assert torch.equal(ref, base_out)  # adapters disabled == the base model, exactly
-    line = json.loads((tr.run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    line = json.loads(json.dumps(row))  # the row the metrics writer appends to metrics.jsonl, as JSON
     for key in ["iteration", "reward_mean/total", "reward_std/total", "reward_mean/jpeg_compressibility",
                 "zero_std_ratio", "clipfrac", "approx_kl", "ratio_mean", "ratio_max_abs_dev_first_update",
                 "nfe_rollout", "nfe_train", "seconds_rollout", "seconds_reward", "seconds_train", "peak_memory_mb"]:
