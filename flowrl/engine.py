@@ -51,9 +51,8 @@ class Round:
         return self.latents.shape[0]
 
 
-# the per-node fields of a round, in the order Tree.skeleton and the list views name them
-ROUND_FIELDS = ("latents", "index", "group", "root", "lineage", "parent", "log_prob", "std", "level", "sde",
-                "trained", "stride")
+# the fields every node has (the sampling mean is kept only on request)
+ROUND_FIELDS = tuple(f.name for f in dataclasses.fields(Round) if f.name != "mean")
 
 
 @dataclass

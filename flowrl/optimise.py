@@ -7,6 +7,8 @@ an optimizer step and in which order. All draws come from the iteration's genera
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .errors import FlowRLError
@@ -51,7 +53,7 @@ def optimise(objective: Objective, batch: UpdateBatch, policy, procs, train_cfg,
                 accelerator.backward(extra)
             procs.sum_gradients(policy.params)
             grad_norms.append(float(accelerator.clip_grad_norm_(policy.params, train_cfg.max_grad_norm)))
-            if not torch.isfinite(torch.tensor(grad_norms[-1])):  # before the step: the weights stay finite
+            if not math.isfinite(grad_norms[-1]):  # before the step: the weights stay finite
                 raise FlowRLError("non-finite gradient norm; lower train.lr or use fp32 (train.mixed_precision=no)")
             opt.step()
             steps += 1
