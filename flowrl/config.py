@@ -365,7 +365,7 @@ def _unknown(key: str, cls, prefix: str) -> ConfigError:
 # keys that moved in the per-algorithm redesign: the old spelling -> what to write now
 MOVED = {"algorithm.max_batch": "sampler.max_batch", "algorithm.loss_weight": "algorithm.loss_weight (tempflow_grpo, "
          "superflow only)"}
-_FLATTENED = ("tree", "side", "chunk", "tracker", "curriculum")  # old sub-sections now directly under algorithm
+_FLATTENED = ("tree", "side", "chunk", "tracker", "curriculum")  # sub-sections of the early layout, now flat
 
 
 def _build_algorithm(value, key: str):
@@ -382,39 +382,11 @@ def _build_algorithm(value, key: str):
         raise ConfigError(f"{key}.name: expected a string, got {name!r}")
     options = algorithm_class(name).Options
     data = dict(value)
-    if all(isinstance(data.get(sub), dict) for sub in _FLATTENED):  # a whole config.yaml saved by the old layout
-        data = _migrate_algorithm(data, options)
     for sub in _FLATTENED:  # old-style keys written by hand: say where they went
         if isinstance(data.get(sub), dict):
             raise ConfigError(f"{key}.{sub}: the {sub} options now sit directly under algorithm (e.g. "
                               f"algorithm.{next(iter(data[sub]), 'name')}); see configs/ for the current form")
     return _build(options, {**data, "name": name}, key)
-
-
-def _migrate_algorithm(old: dict, options) -> dict:
-    """An ``algorithm`` section written before the per-algorithm layout (a run's saved config.yaml lists every
-    algorithm's sub-section with its values): keep the named algorithm's options, taken from the top level or
-    from the sub-section that held them, so old run folders still sample, evaluate and resume. Sub-sections of
-    other algorithms were ignored by the old code too; an old top-level setting that changed behaviour and has
-    no equivalent here is an error, not dropped silently."""
-    import sys
-
-    fields = {f.name for f in dataclasses.fields(options)}
-    new = {}
-    for k, v in old.items():
-        if k in _FLATTENED and isinstance(v, dict):
-            new.update({kk: vv for kk, vv in v.items() if kk in fields and kk not in new})
-        elif k in fields:
-            new[k] = v
-        elif k in _OLD_BEHAVIOUR and v != _OLD_BEHAVIOUR[k]:
-            raise ConfigError(f"algorithm.{k}={v!r} (a config written before 2026-12) has no equivalent for "
-                              f"{old.get('name')}; see configs/ for the current form")
-    print(f"flowrl: note: an algorithm section in the layout before 2026-12, read as {sorted(new)}", file=sys.stderr)
-    return new
-
-
-# top-level keys of the old layout that changed what any algorithm did, with the value that changed nothing
-_OLD_BEHAVIOUR = {"timestep_selection": "first", "loss_weight": "none"}
 
 
 def _build(cls, data: dict, prefix: str = ""):
@@ -551,10 +523,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for text in overrides or []:
         data = apply_override(data, text)
     data.setdefault("algorithm", {})  # the default algorithm's own options class, not the bare base
-    algo = data["algorithm"]
-    if isinstance(algo, dict) and "max_batch" in algo and all(isinstance(algo.get(k), dict) for k in _FLATTENED):
-        data["algorithm"] = {k: v for k, v in algo.items() if k != "max_batch"}  # the old layout kept it here
-        data["sampler"] = {"max_batch": algo["max_batch"], **(data.get("sampler") or {})}
     cfg = _build(Config, data)
     if cfg.data.prompt_file:
         cfg.data.prompt_file = str(_resolve_data_path(cfg.data.prompt_file, path))

@@ -170,24 +170,6 @@ def test_a_plugged_in_algorithm_by_module_and_class(tmp_path):
                            "sampler.num_steps=6"])
 
 
-def test_a_run_config_saved_before_the_per_algorithm_layout_still_loads(capsys):
-    """tests/data/config_before_2026_12.yaml is the config.yaml the main job saved before the redesign (every
-    algorithm's sub-section listed): it reads as the same run, so old run folders sample, evaluate and resume."""
-    old = load_config(ROOT / "tests/data/config_before_2026_12.yaml")
-    assert "layout before 2026-12" in capsys.readouterr().err
-    # the main job's training settings of that time (before the KL guards and the low-pass noise of 2026-12-04)
-    now = load_config(ROOT / "configs/tiny_default.yaml", ["train.iterations=120", "train.lr=2e-4", "train.kl_beta=0",
-                                                           "sampler.noise_lowpass=0", "algorithm.shared_noise=false",
-                                                           "train.kl_untrained_beta=0"])
-    assert old.algorithm == now.algorithm and old.sampler == now.sampler and old.train == now.train
-    import yaml
-
-    data = yaml.safe_load((ROOT / "tests/data/config_before_2026_12.yaml").read_text())
-    data["algorithm"]["name"], data["algorithm"]["timestep_selection"] = "flow_grpo", "random"
-    with pytest.raises(ConfigError, match="algorithm.timestep_selection='random' .* has no equivalent for flow_grpo"):
-        load_config(None, [f"algorithm={yaml.safe_dump(data['algorithm'], default_flow_style=True).strip()}"])
-
-
 def test_old_style_keys_written_by_hand_say_where_they_went():
     with pytest.raises(ConfigError, match=r"algorithm.tree: the tree options now sit directly under algorithm \(e.g. "
                                           r"algorithm.split_steps\)"):
