@@ -371,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--tiny", action="store_true", help="shrunken models at 64 px: the same code path on a CPU")
     bg.add_argument("--out", help="also write the rows to this JSON file")
     bg.set_defaults(func=cmd_bench_gpu)
-    e = sub.add_parser("eval", help="held-out shapes accuracy (one JSON line), or with --prompts/--reward a reward table + CSV")
+    e = sub.add_parser("eval", help="the config's held-out evaluation (log.eval; one JSON line), or with --prompts/--reward a "
+                       "reward table + CSV")
     e.add_argument("config", nargs="?")
     e.add_argument("overrides", nargs="*")
     e.add_argument("--checkpoint", help="checkpoint folder or run directory (LoRA or full fine-tuning)")
@@ -383,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--steps", type=int)
     e.add_argument("--cfg", type=float, help="guidance scale (default sampler.guidance_scale)")
     e.add_argument("--prompts", help="prompt file (.txt one per line, or .jsonl with 'prompt' and metadata): "
-                   "print the reward table instead of the shapes accuracy")
+                   "print the reward table instead of the held-out evaluation")
     e.add_argument("--reward", action="append", help="reward to score with (repeatable; default: the config's)")
     e.add_argument("--reward-args", action="append", help="JSON keyword arguments for the matching --reward")
     e.add_argument("--csv", default="eval.csv", help="summary CSV (per-image scores go to <name>_samples.csv)")

@@ -22,7 +22,7 @@ DEFAULT_TINY_PROMPTS = [
 
 
 def prompt_set(name: str) -> list[str]:
-    """A registered prompt set (shapes-train, shapes-heldout) or ``module:function`` returning prompts."""
+    """A registered prompt set (``flowrl.registry.PROMPT_SETS``) or ``module:function`` returning prompts."""
     from .registry import PROMPT_SETS, resolve
 
     return list(resolve(PROMPT_SETS, name, "data.prompt_set")())
@@ -72,7 +72,7 @@ class PromptSource:
     @classmethod
     def from_config(cls, data_cfg, seed: int, model_cfg=None) -> "PromptSource":
         """data.prompt_set, data.prompt_file or data.prompts; a randomly initialised tiny model with none of them
-        gets a few shapes-like prompts, so `flowrl train` runs with no arguments."""
+        gets a few short demo prompts, so `flowrl train` runs with no arguments."""
         default = DEFAULT_TINY_PROMPTS if model_cfg is not None and model_cfg.pretrained in (None, "", "tiny") else None
         if data_cfg.prompt_set != "none":
             return cls(prompt_set(data_cfg.prompt_set), None, seed)

@@ -35,7 +35,7 @@ EVALUATORS: dict[str, Any] = {"shapes": "flowrl.shapes.evaluate:ShapesEvaluator"
 # command-line subcommands that plug-ins add: a function(subparsers) that adds them
 COMMANDS: dict[str, Any] = {"shapes-demo": "flowrl.shapes.commands:add_commands"}
 # pretrained model names that are not hub ids: a function(model_cfg) -> diffusers pipeline
-MODEL_NAMES: dict[str, Any] = {"tiny-shapes": "flowrl.models.tiny:load_tiny_shapes_pipeline",
+MODEL_NAMES: dict[str, Any] = {"tiny-shapes": "flowrl.shapes.image_model:load_tiny_shapes_pipeline",
                                "tiny-moving-shapes": "flowrl.shapes.video_model:load_tiny_moving_shapes_pipeline"}
 
 

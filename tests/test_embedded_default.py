@@ -109,7 +109,7 @@ def test_pretraining_samples_the_ema_and_keeps_training_every_component():
     encoders; afterwards the trained weights are back and every component trains again."""
     from diffusers.training_utils import EMAModel
 
-    from flowrl.models.tiny import load_tiny_shapes_pipeline
+    from flowrl.shapes.image_model import load_tiny_shapes_pipeline
     from flowrl.shapes.pretrain import COMPONENTS, sampling_ema_weights
 
     pipe = load_tiny_shapes_pipeline()

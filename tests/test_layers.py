@@ -223,3 +223,8 @@ def test_the_core_never_imports_the_shapes_demo():
     found = {m: sorted(t for t in ts if t.startswith("flowrl.shapes")) for m, ts in g.items()
              if not m.startswith("flowrl.shapes")}
     assert {m: ts for m, ts in found.items() if ts} == {}
+    # nor names its modules: only the registries' entries point into it
+    registries = {"flowrl.registry", "flowrl.rewards.registry"}
+    naming = [m for m, path in modules().items() if not m.startswith("flowrl.shapes") and m not in registries
+              and "flowrl.shapes" in path.read_text()]
+    assert naming == []

@@ -1,6 +1,6 @@
 """Model adapters, one per family, behind :class:`flowrl.models.base.ModelAdapter`: text encoding with a
 cache, velocity with CFG for a batch of mixed sigmas, latent shape, decoding, LoRA targets, reference policy,
-weight saving. Tiny offline models and the shipped tiny-shapes model: :mod:`flowrl.models.tiny`."""
+weight saving. Tiny offline models and exported tiny folders: :mod:`flowrl.models.tiny`."""
 
 from .base import ModelAdapter
 from .common import PromptEmbeds

@@ -129,14 +129,14 @@ class PipelineAdapter:
                    text_encoder_device=model_cfg.text_encoder_device, vae_tiling=model_cfg.vae_tiling, **extra)
 
     @classmethod
-    def embedded_pipeline(cls, model_cfg, loader_name: str | None = None):
-        """An embedded model by name (or, with ``loader_name``, an exported folder read by that name's loader): it
-        must be this family's pipeline, and it draws one geometry (``pipe.embedded_geometry``: config field ->
-        value); otherwise one line says which field to change."""
+    def embedded_pipeline(cls, model_cfg, loader=None):
+        """An embedded model by registered name (or, with ``loader``, an exported folder read by it): it must be
+        this family's pipeline, and it draws one geometry (``pipe.embedded_geometry``: config field -> value);
+        otherwise one line says which field to change."""
         from ..registry import MODEL_NAMES, resolve
 
         name = model_cfg.pretrained
-        pipe = resolve(MODEL_NAMES, loader_name or name, "model.pretrained")(None if name in MODEL_NAMES else name)
+        pipe = loader(name) if loader is not None else resolve(MODEL_NAMES, name, "model.pretrained")(None)
         if type(pipe).__name__ != cls.pipeline_class_name:
             raise ConfigError(f"model.pretrained: {name} is a {type(pipe).__name__}, not a {cls.family} model; set "
                               "model.family to its family")

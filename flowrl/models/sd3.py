@@ -41,7 +41,7 @@ class SD3Adapter(PipelineAdapter):
     @classmethod
     def from_config(cls, model_cfg, device="cpu") -> "SD3Adapter":
         from ..registry import MODEL_NAMES
-        from .tiny import build_tiny_sd3_pipeline
+        from .tiny import build_tiny_sd3_pipeline, load_exported_tiny_sd3
 
         dtype = DTYPES[model_cfg.dtype]
         name = model_cfg.pretrained
@@ -50,7 +50,7 @@ class SD3Adapter(PipelineAdapter):
             max_seq = 0  # no T5: zero padding tokens would only cost time (tiny-default.md)
         elif name in MODEL_NAMES or (Path(name) / "pretrain.json").is_file():
             # a named embedded model, or a folder written by `flowrl pretrain-tiny --export-dir`
-            pipe = cls.embedded_pipeline(model_cfg, None if name in MODEL_NAMES else "tiny-shapes")
+            pipe = cls.embedded_pipeline(model_cfg, None if name in MODEL_NAMES else load_exported_tiny_sd3)
             max_seq = 0
         else:
             pipe = load_sd3_pipeline(name, dtype, allow_t5=model_cfg.use_t5)

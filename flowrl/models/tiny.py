@@ -1,5 +1,5 @@
 """The tiny SD3-architecture models: built offline from a config (random init, for tests and the quick demo),
-or the shipped pretrained ``tiny-shapes`` model loaded from the package's assets."""
+or a small SD3 model exported as a folder (the shipped pretrained models are registered by name)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from ..errors import FlowRLError
-from ..resources import assets_dir
 
 
 def build_tiny_sd3_pipeline(tiny, seed: int = 0):
@@ -73,17 +72,17 @@ def build_tiny_sd3_pipeline(tiny, seed: int = 0):
     return pipe
 
 
-def load_tiny_shapes_pipeline(path: str | Path | None = None):
-    """The shipped pretrained tiny model (or a folder written by ``flowrl pretrain-tiny --export-dir``) as a
-    StableDiffusion3Pipeline (fp32), tokenizers built offline."""
+def load_exported_tiny_sd3(path: str | Path):
+    """A small SD3-architecture model exported as a folder (transformer, scheduler, two CLIP text encoders, no VAE,
+    ``pretrain.json`` with its tokenizer length) as a StableDiffusion3Pipeline (fp32), tokenizers built offline."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextModelWithProjection
 
     from ..tokenizer import build_clip_tokenizer
 
-    path = Path(path) if path else assets_dir() / "tiny_shapes"
+    path = Path(path)
     if not (path / "transformer" / "config.json").is_file():
-        raise FlowRLError(f"the pretrained tiny model is missing at {path}; run `flowrl pretrain-tiny` to rebuild it")
+        raise FlowRLError(f"{path}: no exported tiny model here (transformer/config.json is missing)")
     kw = {"torch_dtype": torch.float32}
     meta = json.loads((path / "pretrain.json").read_text()) if (path / "pretrain.json").is_file() else {}
     max_tokens = meta.get("config", {}).get("max_tokens", 16)
@@ -151,7 +150,7 @@ QWEN_TEMPLATE_WORDS = ("Describe the image by detailing the color, shape, size, 
 
 
 def build_tiny_byte_level_tokenizer(vocab_size: int = 600):
-    """A byte-level BPE tokenizer (the kind Qwen2 uses) trained offline on the shapes vocabulary and Qwen-Image's
+    """A byte-level BPE tokenizer (the kind Qwen2 uses) trained offline on short object captions and Qwen-Image's
     prompt template, with the chat special tokens; deterministic."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

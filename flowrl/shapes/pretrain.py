@@ -170,7 +170,7 @@ def _warm_start(pipe, source: Path) -> dict:
     """Every component of an exported tiny shapes model (``flowrl pretrain-tiny`` output) into ``pipe``; returns the
     source's ``pretrain.json`` so the new export records its lineage."""
     from ..errors import FlowRLError
-    from ..models.tiny import load_tiny_shapes_pipeline
+    from .image_model import load_tiny_shapes_pipeline
 
     config = source / "transformer" / "config.json"
     kind = json.loads(config.read_text()).get("_class_name") if config.is_file() else None
