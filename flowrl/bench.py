@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import tempfile
 import time
@@ -83,7 +82,8 @@ def run_bench(cfg, repeats: int = 1) -> dict:
     from .trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, output_dir=tmp, run_name="bench", progress=False))
+        cfg = cfg.model_copy(update={"log": cfg.log.model_copy(update={"output_dir": tmp, "run_name": "bench",
+                                                                       "progress": False})})
         trainer = Trainer(cfg)
         trainer.iteration(0)  # warm-up (allocations, caches)
         with TransformerClock(trainer) as clock:
@@ -197,10 +197,10 @@ def memory_growth(cfg, iterations: int = 300, progress: bool = True) -> dict:
     from .trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, output_dir=tmp, run_name="memory",
-                                                                 sample_every=0, save_every=0, eval="none",
-                                                                 eval_every=0, progress=False),
-                                  train=dataclasses.replace(cfg.train, iterations=iterations))
+        cfg = cfg.model_copy(update={
+            "log": cfg.log.model_copy(update={"output_dir": tmp, "run_name": "memory", "sample_every": 0, "save_every": 0,
+                                              "eval": "none", "eval_every": 0, "progress": False}),
+            "train": cfg.train.model_copy(update={"iterations": iterations})})
         trainer = Trainer(cfg)
         rss, trimmed, can_trim = [], [], True
         for it in tqdm(range(iterations), desc="memory", disable=not progress):

@@ -180,8 +180,6 @@ def find_checkpoint(path: str | Path, iteration: int | None = None) -> Path:
 
 def config_differences(ckpt: Path, cfg, prefixes=("model.", "train.lora.")) -> list[str]:
     """``key=saved (now current)`` for the model and LoRA settings that differ from the run that wrote ``ckpt``."""
-    import dataclasses
-
     import yaml
 
     saved_path = Path(ckpt).parent.parent / "config.yaml"
@@ -196,7 +194,9 @@ def config_differences(ckpt: Path, cfg, prefixes=("model.", "train.lora.")) -> l
             out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
         return out
 
-    a, b = flat(saved), flat(dataclasses.asdict(cfg))
+    from .config import to_dict
+
+    a, b = flat(saved), flat(to_dict(cfg))
     return [f"{k}={a[k]!r} (this config: {b.get(k)!r})" for k in sorted(a)
             if k.startswith(prefixes) and k in b and a[k] != b[k]]
 

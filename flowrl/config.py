@@ -1,41 +1,86 @@
-"""Typed configuration: a dataclass tree loaded from YAML with ``key.sub=value`` overrides.
+"""Typed configuration: pydantic models loaded from YAML with ``key.sub=value`` overrides.
 
 Every problem (unknown key, wrong type, out-of-range value) is reported before any work starts, as one
-line that names the key and, for unknown keys, suggests the closest valid one.
+line that names the key and, for unknown keys, suggests the closest valid one. Each field carries its description,
+range and choices, which ``flowrl config schema`` (JSON Schema, for editors) and ``flowrl config explain KEY`` print.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import importlib.util
 import math
 import re
-import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator
 
 from .errors import ConfigError
 
 
-def _range(lo=None, hi=None, choices=None, lo_open=False):
-    return {"lo": lo, "hi": hi, "choices": choices, "lo_open": lo_open}
-
-
-def opt(default, doc: str = "", **check):
-    """A dataclass field with a default, a docstring and optional range/choice checks."""
-    meta = {"doc": doc, **_range(**check)}
+def opt(default, doc: str = "", *, lo=None, hi=None, lo_open: bool = False, choices=None):
+    """A field with a default, a description and optional range / choice checks (``lo_open``: > lo, not >=)."""
+    extra = None
+    if choices is not None:  # YAML 1.1 reads `no` as false: accelerate's documented word is "no"
+        extra = {"enum": list(choices) + ([False] if "no" in choices else [])}
+    bounds = {"gt" if lo_open else "ge": lo} if lo is not None else {}
+    if hi is not None:
+        bounds["le"] = hi
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
-    return field(default=default, metadata=meta)
+        return Field(default_factory=lambda d=default: type(d)(d), description=doc or None, json_schema_extra=extra,
+                     **bounds)
+    return Field(default=default, description=doc or None, json_schema_extra=extra, **bounds)
 
 
-@dataclass
-class TinyModelConfig:
+class Section(BaseModel):
+    """A config section: unknown keys, wrong types (no silent conversion: 2.5 is not an integer, 1 is not true)
+    and non-finite numbers are refused; a string written as a number (YAML 1.1 reads ``1e-4`` as text) is one."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _yaml_spellings(cls, value, info):
+        field = cls.model_fields[info.field_name]
+        choices = _choices(field)
+        if isinstance(value, bool) and choices and ("yes" if value else "no") in choices:
+            return "yes" if value else "no"
+        if isinstance(value, str) and _expects_number(field.annotation):
+            try:
+                number = float(value)
+            except ValueError:
+                return value
+            if not math.isfinite(number):  # nan passes every range check (nan < lo is false)
+                raise ValueError(f"{value!r} is not a finite number")
+            return number
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _one_of_the_choices(cls, value, info):
+        choices = _choices(cls.model_fields[info.field_name])
+        if choices is not None and value is not None and value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"{value!r} is not one of {', '.join(map(str, choices))}{hint}")
+        return value
+
+
+def _choices(field) -> list | None:
+    """A field's choices (its schema's enum, less the ``false`` that YAML 1.1 makes of ``no``)."""
+    if not isinstance(field.json_schema_extra, dict) or "enum" not in field.json_schema_extra:
+        return None
+    return [c for c in field.json_schema_extra["enum"] if c is not False]
+
+
+def _expects_number(tp) -> bool:
+    return tp is float or (typing.get_origin(tp) is typing.Union and float in typing.get_args(tp))
+
+
+class TinyModelConfig(Section):
     resolution: int = opt(16, "image size in pixels", lo=8)
     vae: bool = opt(False, "build a tiny AutoencoderKL (latent space) instead of pixel space")
     patch_size: int = opt(2, lo=1)
@@ -52,8 +97,7 @@ class TinyModelConfig:
                        choices=[1, 2])
 
 
-@dataclass
-class ModelConfig:
+class ModelConfig(Section):
     family: str = opt("sd3", "model family: sd3 (SD3 / SD3.5), flux (FLUX.1 dev / schnell), flux2 (FLUX.2 dev / "
                       "klein), qwenimage (Qwen-Image) or wan (Wan 2.1 / 2.2 text-to-video)",
                       choices=["sd3", "flux", "flux2", "qwenimage", "wan"])
@@ -76,11 +120,10 @@ class ModelConfig:
     low_noise_guidance_scale: Optional[float] = opt(None, "Wan 2.2: the CFG scale of the low-noise expert's steps "
                                                     "(WanPipeline's guidance_scale_2); empty = sampler.guidance_scale",
                                                     lo=0.0)
-    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
 
 
-@dataclass
-class SamplerConfig:
+class SamplerConfig(Section):
     num_steps: int = opt(10, "denoising steps of the rollout", lo=1)
     schedule: str = opt("diffusers", "sigma grid", choices=["diffusers", "static_shift", "dynamic_shift"])
     shift: float = opt(3.0, "shift for static_shift", lo=0.0, lo_open=True)
@@ -110,16 +153,14 @@ class SamplerConfig:
                             choices=["gaussian", "published"])
 
 
-@dataclass
-class AlgorithmOptions:
+class AlgorithmOptions(Section):
     """What every algorithm's options share: its registered name. Each algorithm module defines its own
     ``Options`` subclass (flowrl/algorithms); ``algorithm:`` in a config accepts only that algorithm's keys."""
 
     name: str = opt("flow_grpo", "a registered algorithm (flowrl/algorithms) or module:Class of a plug-in")
 
 
-@dataclass
-class AdvantageConfig:
+class AdvantageConfig(Section):
     std: str = opt("group", "normalise by each group's std or the batch's", choices=["group", "global"])
     ddof: int = opt(0, "0 = numpy std (Flow-GRPO), 1 = torch.std (DanceGRPO)", lo=0, hi=1)
     eps: float = opt(1e-4, lo=0.0)
@@ -139,23 +180,20 @@ class AdvantageConfig:
                        "summed (DanceGRPO's multi-reward)", choices=["sum", "per_reward"])
 
 
-@dataclass
-class LoraConfig:
+class LoraConfig(Section):
     enabled: bool = opt(True, "LoRA through peft; false = full fine-tuning")
     rank: int = opt(8, lo=1)
     alpha: float = opt(16.0, lo=0.0, lo_open=True)
     targets: list[str] = opt([], "module names; empty = the model family's defaults")
 
 
-@dataclass
-class EmaConfig:
+class EmaConfig(Section):
     enabled: bool = opt(False)
     decay: float = opt(0.9, lo=0.0, hi=1.0)
     update_every: int = opt(1, lo=1)
 
 
-@dataclass
-class TrainConfig:
+class TrainConfig(Section):
     iterations: int = opt(30, "rollout + update iterations", lo=1)
     prompts_per_iter: int = opt(4, "distinct prompts (groups) per iteration", lo=1)
     lr: float = opt(3e-4, lo=0.0, lo_open=True)
@@ -195,20 +233,18 @@ class TrainConfig:
     attention_backend: str = opt("native", "diffusers attention backend: native (PyTorch SDPA), xformers (the "
                                  "xformers extra), flash (flash-attn)", choices=["native", "xformers", "flash"])
     log_prob_reduce: str = opt("mean", "mean over latent elements (the anchors' convention) or sum", choices=["mean", "sum"])
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    ema: EmaConfig = field(default_factory=EmaConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    ema: EmaConfig = Field(default_factory=EmaConfig)
     seed: int = opt(0)
 
 
-@dataclass
-class RewardSpec:
+class RewardSpec(Section):
     name: str = opt("jpeg_compressibility", "registered name or module:function")
     weight: float = opt(1.0)
     args: dict[str, Any] = opt({}, "keyword arguments for the reward's constructor")
 
 
-@dataclass
-class DataConfig:
+class DataConfig(Section):
     prompts: list[str] = opt([], "training prompts (or use prompt_file)")
     prompt_file: Optional[str] = opt(None, ".txt (one per line) or .jsonl with a 'prompt' field")
     prompt_set: str = opt("none", "a registered prompt set instead of prompts/prompt_file (shapes-train, "
@@ -217,8 +253,7 @@ class DataConfig:
     sample_seeds: list[int] = opt([0, 1, 2, 3])
 
 
-@dataclass
-class LogConfig:
+class LogConfig(Section):
     output_dir: str = opt("runs", "parent folder of run directories")
     run_name: Optional[str] = opt(None, "run folder name (default: config name + time)")
     sample_every: int = opt(10, "iterations between sample grids (0 = only start and end)", lo=0)
@@ -241,135 +276,125 @@ class LogConfig:
                                  "points of accuracy; 0 = never)", lo=0.0)
 
 
-@dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    algorithm: AlgorithmOptions = field(default_factory=AlgorithmOptions)
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
-    data: DataConfig = field(default_factory=DataConfig)
-    log: LogConfig = field(default_factory=LogConfig)
+class Config(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    algorithm: SerializeAsAny[AlgorithmOptions] = Field(default_factory=AlgorithmOptions)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec()])
+    data: DataConfig = Field(default_factory=DataConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
     resume: Optional[str] = opt(None, "'latest' or a checkpoint folder to resume from")
     device: str = opt("auto", choices=["auto", "cpu", "cuda"])
 
+    @field_validator("algorithm", mode="before")
+    @classmethod
+    def _the_named_algorithms_options(cls, value):
+        return build_algorithm(value)
+
 
 # --------------------------------------------------------------------------------------------- parsing
-def _type_name(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return " or ".join(_type_name(a) for a in args) + " or null"
-    if origin is list:
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
-    if origin is dict:
-        return "mapping"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value, tp, key: str):
-    """Check ``value`` against annotation ``tp`` and convert where lossless; raise ConfigError otherwise."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, key)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
-        return _build(tp, value, key)
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
-        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
-    if tp is Any:
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if tp is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is None:
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        if not math.isfinite(number):  # nan passes every range check (nan < lo is false)
-            raise ConfigError(f"{key}: {value!r} is not a finite number")
-        return number
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-    raise ConfigError(f"{key}: unsupported type {tp}")
-
-
-def _check_range(value, meta, key):
-    if value is None or not meta:
-        return
-    choices = meta.get("choices")
-    if choices is not None and value not in choices:
-        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}{hint}")
-    lo, hi = meta.get("lo"), meta.get("hi")
-    if lo is not None and (value < lo or (meta.get("lo_open") and value == lo)):
-        raise ConfigError(f"{key}: {value!r} is out of range; it must be {'>' if meta.get('lo_open') else '>='} {lo}")
-    if hi is not None and value > hi:
-        raise ConfigError(f"{key}: {value!r} is out of range; it must be <= {hi}")
-
-
-def _all_keys(cls, prefix="") -> list[str]:
-    keys = []
-    for f in dataclasses.fields(cls):
-        name = f"{prefix}{f.name}"
-        keys.append(name)
-        hints = typing.get_type_hints(cls)
-        if dataclasses.is_dataclass(hints[f.name]):
-            keys += _all_keys(hints[f.name], name + ".")
-    return keys
-
-
-def _unknown(key: str, cls, prefix: str) -> ConfigError:
-    valid = _all_keys(cls, prefix)
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return ConfigError(f"unknown config key {key!r}{hint}")
-
-
 # keys that moved in the per-algorithm redesign: the old spelling -> what to write now
 MOVED = {"algorithm.max_batch": "sampler.max_batch", "algorithm.loss_weight": "algorithm.loss_weight (tempflow_grpo, "
          "superflow only)"}
 _FLATTENED = ("tree", "side", "chunk", "tracker", "curriculum")  # sub-sections of the early layout, now flat
 
 
-def _build_algorithm(value, key: str):
-    """The ``algorithm`` section: its ``name`` picks the registered algorithm, whose ``Options`` dataclass then
+def _section_type(tp):
+    """The Section class a field holds (directly, in a list or optional), else None."""
+    for t in (tp, *typing.get_args(tp)):
+        if isinstance(t, type) and issubclass(t, Section):
+            return t
+    return None
+
+
+def _all_keys(cls, prefix="") -> list[str]:
+    keys = []
+    for name, f in cls.model_fields.items():
+        keys.append(f"{prefix}{name}")
+        sub = _section_type(f.annotation)
+        if sub is not None and not typing.get_origin(f.annotation) is list:
+            keys += _all_keys(sub, f"{prefix}{name}.")
+    return keys
+
+
+def _unknown(key: str, cls, prefix: str) -> ConfigError:
+    if key in MOVED:
+        return ConfigError(f"config key {key!r} has moved: use {MOVED[key]}")
+    close = difflib.get_close_matches(key, _all_keys(cls, prefix), n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is typing.Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None)) + " or null"
+    if typing.get_origin(tp) is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if typing.get_origin(tp) is dict:
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+_EXPECTED = {"int": "an integer", "bool": "true or false", "float": "a number", "string": "a string",
+             "dict": "a mapping"}
+
+
+def _one_line(exc: ValidationError, cls, prefix: str) -> ConfigError:
+    """The first problem pydantic found, as the one line flowrl prints (the key, what was wrong, what to write)."""
+    err = exc.errors(include_url=False)[0]
+    loc = err["loc"]  # ('train', 'lr') or ('rewards', 0, 'name') -> train.lr, rewards[0].name
+    key = prefix
+    for part in loc:
+        key += f"[{part}]" if isinstance(part, int) else (f".{part}" if key else str(part))
+    kind, value, ctx = err["type"], err.get("input"), err.get("ctx", {})
+    if kind == "extra_forbidden":
+        return _unknown(key, cls, f"{prefix}." if prefix else "")
+    if kind == "value_error":  # the messages of flowrl's own checks (choices, text that reads as a number)
+        return ConfigError(f"{key}: {str(ctx.get('error', err['msg']))}")
+    if kind == "finite_number":
+        return ConfigError(f"{key}: {value!r} is not a finite number")
+    bounds = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le")}
+    if kind in bounds:
+        sign, name = bounds[kind]
+        return ConfigError(f"{key}: {value!r} is out of range; it must be {sign} {ctx[name]}")
+    if kind in ("model_type", "model_attributes_type"):
+        field = _field_at(cls, loc)
+        section = _section_type(field.annotation) if field is not None else None
+        return ConfigError(f"{key}: expected a mapping of {section.__name__ if section else 'section'} fields, got "
+                           f"{value!r}")
+    if kind == "list_type":
+        field = _field_at(cls, loc)
+        return ConfigError(f"{key}: expected {_type_name(field.annotation) if field else 'a list'}, got {value!r}")
+    base = kind.split("_")[0]
+    return ConfigError(f"{key}: expected {_EXPECTED.get(base, base)}, got {value!r}")
+
+
+def _field_at(cls, loc):
+    field = None
+    for part in loc:
+        if isinstance(part, int) or cls is None:
+            continue
+        field = cls.model_fields.get(part)
+        cls = _section_type(field.annotation) if field is not None else None
+    return field
+
+
+def _build(cls, data, prefix: str = ""):
+    """A section from its mapping, or one ConfigError naming the first problem."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of {cls.__name__} fields, got {data!r}")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        raise _one_line(exc, cls, prefix) from None
+
+
+def build_algorithm(value, key: str = "algorithm"):
+    """The ``algorithm`` section: its ``name`` picks the registered algorithm, whose ``Options`` model then
     takes the remaining keys (only that algorithm's)."""
     from .registry import algorithm_class
 
@@ -377,40 +402,24 @@ def _build_algorithm(value, key: str):
         return value
     if not isinstance(value, dict):
         raise ConfigError(f"{key}: expected a mapping such as {{name: flow_grpo, group_size: 8}}, got {value!r}")
-    name = value.get("name", AlgorithmOptions.name)
+    name = value.get("name", AlgorithmOptions.model_fields["name"].default)
     if not isinstance(name, str):
         raise ConfigError(f"{key}.name: expected a string, got {name!r}")
     options = algorithm_class(name).Options
-    data = dict(value)
     for sub in _FLATTENED:  # old-style keys written by hand: say where they went
-        if isinstance(data.get(sub), dict):
+        if isinstance(value.get(sub), dict):
             raise ConfigError(f"{key}.{sub}: the {sub} options now sit directly under algorithm (e.g. "
-                              f"algorithm.{next(iter(data[sub]), 'name')}); see configs/ for the current form")
-    return _build(options, {**data, "name": name}, key)
-
-
-def _build(cls, data: dict, prefix: str = ""):
-    hints = typing.get_type_hints(cls)
-    names = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for k, v in data.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if k not in names:
-            if key in MOVED:
-                raise ConfigError(f"config key {key!r} has moved: use {MOVED[key]}")
-            if issubclass(cls, AlgorithmOptions):
-                valid = ", ".join(f.name for f in dataclasses.fields(cls) if f.name != "name")
-                close = difflib.get_close_matches(str(k), [f.name for f in dataclasses.fields(cls)], n=1)
-                hint = f"did you mean {prefix}.{close[0]!r}? " if close else ""
-                raise ConfigError(f"{key}: not an option of {data.get('name', cls.name)}; {hint}its options: {valid}")
-            raise _unknown(key, cls, f"{prefix}." if prefix else "")
-        choices = names[k].metadata.get("choices") or []
-        if isinstance(v, bool) and hints[k] is str and ("no" if not v else "yes") in choices:
-            v = "no" if not v else "yes"  # YAML 1.1 reads `no` as false: accelerate's documented word is "no"
-        value = _build_algorithm(v, key) if hints[k] is AlgorithmOptions else _coerce(v, hints[k], key)
-        _check_range(value, names[k].metadata, key)
-        kwargs[k] = value
-    return cls(**kwargs)
+                              f"algorithm.{next(iter(value[sub]), 'name')}); see configs/ for the current form")
+    unknown = [k for k in value if k not in options.model_fields]
+    if unknown:
+        k = unknown[0]
+        if f"{key}.{k}" in MOVED:
+            raise ConfigError(f"config key '{key}.{k}' has moved: use {MOVED[f'{key}.{k}']}")
+        valid = ", ".join(f for f in options.model_fields if f != "name")
+        close = difflib.get_close_matches(str(k), list(options.model_fields), n=1)
+        hint = f"did you mean {key}.{close[0]!r}? " if close else ""
+        raise ConfigError(f"{key}.{k}: not an option of {name}; {hint}its options: {valid}")
+    return _build(options, {**value, "name": name}, key)
 
 
 def _merge(base: dict, override: dict) -> dict:
@@ -614,7 +623,7 @@ def validate(cfg: Config) -> None:
 
 def to_dict(cfg) -> dict:
     """The resolved config as plain data; the algorithm section holds only its own algorithm's options."""
-    return dataclasses.asdict(cfg)
+    return cfg.model_dump()
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
@@ -622,111 +631,63 @@ def save_config(cfg: Config, path: str | Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------- schema
-def _field_schema(tp, meta: dict | None = None) -> dict:
-    """JSON Schema of one annotation, with the field's description, range and choices from its metadata."""
-    meta = meta or {}
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        options = [_field_schema(a) for a in typing.get_args(tp) if a is not type(None)]
-        out = {"anyOf": options + [{"type": "null"}]} if type(None) in typing.get_args(tp) else {"anyOf": options}
-    elif tp is AlgorithmOptions:
-        out = _algorithm_schema()
-    elif dataclasses.is_dataclass(tp):
-        out = _dataclass_schema(tp)
-    elif origin is list:
-        out = {"type": "array", "items": _field_schema(typing.get_args(tp)[0])}
-    elif origin is dict:
-        out = {"type": "object"}
-    else:
-        out = {bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"},
-               str: {"type": "string"}}.get(tp, {})
-    if meta.get("doc"):
-        out["description"] = meta["doc"]
-    if meta.get("choices") is not None:
-        out["enum"] = list(meta["choices"]) + ([False] if "no" in meta["choices"] else [])  # YAML 1.1 `no`
-    if meta.get("lo") is not None:
-        out["exclusiveMinimum" if meta.get("lo_open") else "minimum"] = meta["lo"]
-    if meta.get("hi") is not None:
-        out["maximum"] = meta["hi"]
-    return out
-
-
-def _dataclass_schema(cls, title: str | None = None) -> dict:
-    hints = typing.get_type_hints(cls)
-    props = {}
-    for f in dataclasses.fields(cls):
-        props[f.name] = _field_schema(hints[f.name], dict(f.metadata))
-        if f.default is not dataclasses.MISSING:
-            props[f.name]["default"] = f.default
-        elif f.default_factory is not dataclasses.MISSING and not dataclasses.is_dataclass(hints[f.name]):
-            default = f.default_factory()
-            props[f.name]["default"] = [dataclasses.asdict(d) if dataclasses.is_dataclass(d) else d for d in default] \
-                if isinstance(default, list) else default
-    out = {"type": "object", "properties": props, "additionalProperties": False}
-    if title or cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}("):
-        out["title"] = title or cls.__name__
-    return out
-
-
-def _algorithm_schema() -> dict:
-    """The ``algorithm`` section: one alternative per registered algorithm, chosen by ``name`` (a discriminated
-    union: its options are that algorithm's only)."""
+def json_schema() -> dict:
+    """The JSON Schema of a config file (draft 2020-12), from the models: editors complete and check YAML with it
+    (``# yaml-language-server: $schema=flowrl.schema.json``). Each key carries its description, default, range
+    and choices; ``algorithm`` is one alternative per registered algorithm, chosen by its ``name``."""
     from .registry import ALGORITHMS, algorithm_class
 
+    schema = Config.model_json_schema()
+    defs = schema.setdefault("$defs", {})
+    defs.pop("AlgorithmOptions", None)
+    name_doc = AlgorithmOptions.model_fields["name"].description
     alternatives = []
     for name in sorted(ALGORITHMS):
-        options = algorithm_class(name).Options
-        alt = _dataclass_schema(options, title=name)
-        alt["properties"]["name"] = {"const": name, "description": AlgorithmOptions.__dataclass_fields__["name"]
-                                     .metadata["doc"]}
-        alt["required"] = ["name"] if name != AlgorithmOptions.name else []
+        alt = algorithm_class(name).Options.model_json_schema()
+        defs.update(alt.pop("$defs", {}))
+        alt["title"] = name
+        alt["properties"]["name"] = {"const": name, "description": name_doc}
+        alt["required"] = [] if name == AlgorithmOptions.model_fields["name"].default else ["name"]
         alternatives.append(alt)
-    return {"description": "the algorithm (name) and its own options", "oneOf": alternatives}
-
-
-def json_schema() -> dict:
-    """The JSON Schema of a config file (draft 2020-12): editors complete and check YAML with it
-    (``# yaml-language-server: $schema=flowrl.schema.json``). Each key carries its description, default, range
-    and choices."""
-    schema = _dataclass_schema(Config, title="flowrl config")
+    schema["properties"]["algorithm"] = {"description": "the algorithm (name) and its own options",
+                                         "oneOf": alternatives}
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
 
 
 def explain(key: str) -> str:
     """A key's type, default, range or choices and description, for ``flowrl config explain KEY``."""
-    cls, parts, f, owner = Config, key.split("."), None, ""
+    from .registry import ALGORITHMS, algorithm_class
+
+    cls, parts, owner = Config, key.split("."), ""
     for depth, part in enumerate(parts):
         if cls is AlgorithmOptions:  # the options of the algorithms that have this key (the default one first)
-            from .registry import ALGORITHMS, algorithm_class
-
-            names = sorted(ALGORITHMS, key=lambda n: n != AlgorithmOptions.name)
-            having = [n for n in names if part in {x.name for x in dataclasses.fields(algorithm_class(n).Options)}]
+            default = AlgorithmOptions.model_fields["name"].default
+            names = sorted(ALGORITHMS, key=lambda n: n != default)
+            having = [n for n in names if part in algorithm_class(n).Options.model_fields]
             if not having:
                 raise ConfigError(f"{key}: no algorithm has the option {part!r} (see `flowrl config schema`)")
             cls = algorithm_class(having[0]).Options
             owner = f" (an option of {', '.join(having)})" if part != "name" else ""
-        fields = {x.name: x for x in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
-        if part not in fields:
+        field = cls.model_fields.get(part) if cls is not None else None
+        if field is None:
             raise _unknown(key, Config, "")
-        f = fields[part]
-        tp = typing.get_type_hints(cls)[part]
-        if depth < len(parts) - 1:
-            if not (dataclasses.is_dataclass(tp) or tp is AlgorithmOptions):
-                raise _unknown(key, Config, "")
-            cls = tp
-    if dataclasses.is_dataclass(tp):
-        return f"{key}: a section with keys {', '.join(x.name for x in dataclasses.fields(tp))}"
-    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        cls = _section_type(field.annotation) if typing.get_origin(field.annotation) is not list else None
+        if depth < len(parts) - 1 and cls is None:
+            raise _unknown(key, Config, "")
+    if cls is not None:
+        return f"{key}: a section with keys {', '.join(cls.model_fields)}"
+    default = field.get_default(call_default_factory=True)
     if isinstance(default, list):
-        default = [dataclasses.asdict(d) if dataclasses.is_dataclass(d) else d for d in default]
-    meta = f.metadata
-    lines = [f"{key}{owner}", f"  type: {_type_name(tp)}", f"  default: {yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}"]
-    if meta.get("choices") is not None:
-        lines.append(f"  choices: {', '.join(map(str, meta['choices']))}")
-    if meta.get("lo") is not None or meta.get("hi") is not None:
-        lo = "" if meta.get("lo") is None else f"{'>' if meta.get('lo_open') else '>='} {meta['lo']}"
-        hi = "" if meta.get("hi") is None else f"<= {meta['hi']}"
-        lines.append(f"  range: {' and '.join(x for x in (lo, hi) if x)}")
-    if meta.get("doc"):
-        lines.append(f"  {meta['doc']}")
+        default = [d.model_dump() if isinstance(d, BaseModel) else d for d in default]
+    lines = [f"{key}{owner}", f"  type: {_type_name(field.annotation)}",
+             f"  default: {yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}"]
+    choices = _choices(field)
+    if choices is not None:
+        lines.append(f"  choices: {', '.join(map(str, choices))}")
+    bounds = [f"{sign} {getattr(m, attr)}" for m in field.metadata
+              for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<=")) if hasattr(m, attr)]
+    if bounds:
+        lines.append(f"  range: {' and '.join(bounds)}")
+    if field.description:
+        lines.append(f"  {field.description}")
     return "\n".join(lines)

@@ -31,7 +31,6 @@ def slow_brightness(images, prompts, metadata):
 
 
 # ---------------------------------------------------------------- a user's algorithm, plugged in by name
-from dataclasses import dataclass  # noqa: E402
 
 from flowrl.algorithms import FlowGRPO  # noqa: E402
 from flowrl.algorithms.flow_grpo import FlowGRPOOptions  # noqa: E402
@@ -39,7 +38,6 @@ from flowrl.config import opt  # noqa: E402
 from flowrl.errors import ConfigError  # noqa: E402
 
 
-@dataclass
 class EveryOtherStepOptions(FlowGRPOOptions):
     stride: int = opt(2, "train every stride-th step", lo=1)
 

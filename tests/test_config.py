@@ -207,7 +207,9 @@ def test_config_schema_validates_every_shipped_preset_and_catches_bad_ones(capsy
     for path in presets:
         errors = [e.message for e in validator.iter_errors(_yaml12(path.read_text()))]
         assert errors == [], (path.name, errors[:3])
-    assert schema["properties"]["train"]["properties"]["kl_beta"]["description"].startswith("KL to the reference")
+    train = schema["properties"]["train"]
+    train = schema["$defs"][train["$ref"].rsplit("/", 1)[-1]] if "$ref" in train else train
+    assert train["properties"]["kl_beta"]["description"].startswith("KL to the reference")
     for bad in ({"train": {"kl_bta": 0.1}}, {"train": {"clip_range": 0}}, {"sampler": {"kernel": "ddim"}},
                 {"algorithm": {"name": "flow_grpo", "beta": 1.0}}, {"algorithm": {"name": "no_such"}}):
         assert not validator.is_valid(bad), bad

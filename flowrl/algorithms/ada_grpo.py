@@ -6,7 +6,6 @@ against that capability to the within-group z-score. Formulas: flowrl/trackers.p
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -16,7 +15,6 @@ from ..trackers import CapabilityEMA, adagrpo_advantages
 from .tempflow_grpo import SideOptions, TempFlowGRPO
 
 
-@dataclass
 class AdaGRPOOptions(SideOptions):
     candidates: int = opt(10, "candidate prompts scored with one ODE anchor each per iteration", lo=1)
     ema_alpha: float = opt(0.8, "EMA of the anchor scores' mean and variance", lo=0.0, hi=1.0)

@@ -8,17 +8,17 @@ every other module subclasses it and overrides only what makes it different.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from pydantic import Field
 
-from ..config import AlgorithmOptions, opt
+from ..config import AlgorithmOptions, Section, opt
 from ..errors import ConfigError
 
 
-@dataclass
-class WindowOptions:
+class WindowOptions(Section):
     size: int = opt(0, "SDE window length in steps (0 = no window: the algorithm's own step rule); only the "
                        "window's steps are SDE and trained, ODE elsewhere", lo=0)
     placement: str = opt("fixed", choices=["fixed", "random", "progressive"])
@@ -30,19 +30,17 @@ class WindowOptions:
     roll_back: bool = opt(True, "progressive: restart at range_start after the last position")
 
 
-@dataclass
 class GroupOptions(AlgorithmOptions):
     group_size: int = opt(4, "samples per prompt (G)", lo=2)
 
 
-@dataclass
 class WindowedOptions(GroupOptions):
     shared_noise: bool = opt(False, "all G samples of a prompt start from the same noise (DanceGRPO); the group "
                              "branches at the first SDE step")
     antithetic: bool = opt(False, "with shared_noise and an even group: the group's first-SDE-step noises come in "
                            "mirrored pairs (eps, -eps), each still N(0, I), so the reward's even-order terms in "
                            "that step's action cancel out of the policy gradient")
-    window: WindowOptions = field(default_factory=WindowOptions)
+    window: WindowOptions = Field(default_factory=WindowOptions)
 
 
 def check_window(cfg, required: bool) -> None:

@@ -6,10 +6,10 @@ window (BranchGRPO-Mix). Tree maths: flowrl/trees.py; spec: ../shared/spec/algor
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from pydantic import Field
 
 from .. import trees
 from ..advantages import group_advantages
@@ -20,7 +20,6 @@ from .base import AlgorithmOptions, WindowOptions, check_steps, check_window, wi
 from .flow_grpo import FlowGRPO
 
 
-@dataclass
 class BranchGRPOOptions(AlgorithmOptions):
     group_size: Optional[int] = opt(None, "leaves per prompt; must equal trees_per_prompt x branch_factor ** "
                                     "len(split_steps) (null: derived)")
@@ -45,7 +44,7 @@ class BranchGRPOOptions(AlgorithmOptions):
     depth_stop: int = opt(-1, "the window stops when its shallowest depth reaches this (-1 = last split + 1)")
     prune_until: float = opt(1.0, "prune only while iteration < prune_until * train.iterations", lo=0.0, hi=1.0)
     mix: bool = opt(False, "BranchGRPO-Mix: ODE outside split steps and the window; only SDE edges trained")
-    window: WindowOptions = field(default_factory=WindowOptions)
+    window: WindowOptions = Field(default_factory=WindowOptions)
 
 
 class BranchGRPO(FlowGRPO):

@@ -5,7 +5,6 @@ each chunk's latent change. Chunk maths: flowrl/chunks.py; spec: ../shared/spec/
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
@@ -17,7 +16,6 @@ from .dance_grpo import last_step_untrained
 from .flow_grpo import FlowGRPO, FlowGRPOOptions
 
 
-@dataclass
 class ChunkGRPOOptions(FlowGRPOOptions):
     timestep_fraction: float = opt(0.5, "fraction of a path's chunks trained each iteration", lo=0.0, hi=1.0,
                                    lo_open=True)

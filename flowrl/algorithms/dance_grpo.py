@@ -4,7 +4,6 @@ int((T - 1) * timestep_fraction) of its steps (``timestep_selection: random``)."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
@@ -12,7 +11,6 @@ from ..config import opt
 from .flow_grpo import FlowGRPO, FlowGRPOOptions
 
 
-@dataclass
 class DanceGRPOOptions(FlowGRPOOptions):
     shared_noise: bool = opt(True, "all G samples of a prompt start from the same noise")
     timestep_selection: str = opt("random", "first: every candidate step; random: per sample path a random "

@@ -17,7 +17,6 @@ Values from NVlabs/DiffusionNFT's released code (spec/anchors.md section 6).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import torch
 
@@ -29,7 +28,6 @@ from .base import GroupOptions
 from .flow_grpo import FlowGRPO
 
 
-@dataclass
 class DiffusionNFTOptions(GroupOptions):
     beta: float = opt(1.0, "NFT's guidance strength beta of the implicit policies (the code: 1.0; 0.1 for OCR and "
                       "multi-reward)", lo=0.0, lo_open=True)

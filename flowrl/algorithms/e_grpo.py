@@ -6,7 +6,6 @@ completion from the released code: one ODE finish per stride, each normalised in
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -17,7 +16,6 @@ from .base import check_steps
 from .tempflow_grpo import SideOptions, TempFlowGRPO
 
 
-@dataclass
 class EGRPOOptions(SideOptions):
     merge: str = opt("adaptive", "merge lengths from the entropy rule (adaptive) or merge_lengths (list)",
                      choices=["adaptive", "list"])

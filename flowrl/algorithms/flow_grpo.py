@@ -18,7 +18,6 @@ plus :meth:`check` (cross-field checks at config load) and :meth:`state_dict` fo
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +30,6 @@ from ..trackers import BetaTracker
 from .base import AlgorithmContext, Unit, WindowedOptions, check_window, window_start
 
 
-@dataclass
 class FlowGRPOOptions(WindowedOptions):
     timestep_fraction: float = opt(0.99, "the first int(T * f) steps are trained (without a window)", lo=0.0, hi=1.0,
                                    lo_open=True)

@@ -4,17 +4,16 @@ the difference is the paper's defaults."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from pydantic import Field
 
 from ..config import opt
 from .base import WindowedOptions, WindowOptions
 from .flow_grpo_fast import FlowGRPOFast
 
 
-@dataclass
 class MixGRPOOptions(WindowedOptions):
     shared_noise: bool = opt(True, "all G samples of a prompt start from the same noise (MixGRPO's code)")
-    window: WindowOptions = field(default_factory=lambda: WindowOptions(size=4, placement="progressive"))
+    window: WindowOptions = Field(default_factory=lambda: WindowOptions(size=4, placement="progressive"))
 
 
 class MixGRPO(FlowGRPOFast):

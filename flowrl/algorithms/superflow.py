@@ -6,9 +6,9 @@ forgetting are assumptions documented in flowrl/trackers.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import torch
+from pydantic import Field
 
 from ..config import AlgorithmOptions, opt
 from ..errors import ConfigError
@@ -18,11 +18,10 @@ from .base import WindowOptions
 from .flow_grpo import FlowGRPO
 
 
-@dataclass
 class SuperFlowOptions(AlgorithmOptions):
     timestep_fraction: float = opt(0.99, "the first int(T * f) steps are trained (without a window)", lo=0.0, hi=1.0,
                                    lo_open=True)
-    window: WindowOptions = field(default_factory=WindowOptions)
+    window: WindowOptions = Field(default_factory=WindowOptions)
     rho: float = opt(0.9, "tracker forgetting factor per visit", lo=0.0, hi=1.0)
     rho_mode: str = opt("constant", "constant rho, or SPO's KL-adaptive clip(2^(-D/d_half), rho_min, 0.96) with D "
                         "the last update's mean |log-prob change|", choices=["constant", "kl_adaptive"])

@@ -6,7 +6,6 @@ over the trained steps. E-GRPO and AdaGRPO reuse this side-branch tree (their mo
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import torch
 
@@ -16,7 +15,6 @@ from .base import check_steps
 from .flow_grpo import FlowGRPO
 
 
-@dataclass
 class SideOptions(AlgorithmOptions):
     group_size: int = opt(4, "side branches per active step and main line", lo=2)
     steps: list[int] = opt([], "active steps (empty: the algorithm's default set)")
@@ -25,7 +23,6 @@ class SideOptions(AlgorithmOptions):
                         "code, E-GRPO) or one main line's branches (TempFlow paper)", choices=["prompt", "seed"])
 
 
-@dataclass
 class TempFlowOptions(SideOptions):
     loss_weight: str = opt("noise_aware", "per-step loss weight: noise_aware (sigma_t sqrt(dt), mean 1 over the "
                            "trained steps) or none", choices=["noise_aware", "none"])
