@@ -1,4 +1,4 @@
-"""Chunk-GRPO (GCPO): optimise by chunks of consecutive transitions. Maths: ../shared/spec/algorithms.md §2.
+"""Chunk-GRPO (GCPO): optimise by chunks of consecutive transitions, as the Chunk-GRPO paper defines them.
 
 A trajectory's T' trained transitions (high noise first) are partitioned into K consecutive chunks. A chunk's
 ratio is the geometric mean of its step ratios, ``r_j = exp(mean_{t in chunk j} (logp_t - logp_old_t))``, and

@@ -21,7 +21,7 @@ def gaussian_kl_same_std(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.
     """KL(N(mean, s^2) || N(mean_ref, s^2)) per element averaged over non-batch dims -> (E,).
 
     ``std`` is the transition's full std (including sqrt(|dt|)) by default; :func:`kl_std` gives Flow-GRPO's
-    SD3 normalisation, which omits the dt factor (spec/anchors.md, issue #78), so its beta is |dt| times ours.
+    SD3 normalisation, which omits the dt factor (flow_grpo issue #78), so its beta is |dt| times ours.
     """
     kl = (mean - mean_ref) ** 2 / (2 * std**2)
     return kl.mean(dim=tuple(range(1, kl.ndim)))
@@ -43,7 +43,7 @@ def guard_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: to
 
     With the sample ``x' = mu_old + s eps`` and per-element-mean log-probs this equals ``mean((mu - mu_old) eps)``:
     centred at 0 whatever the step, where the plain log-ratio is biased below 0 by ``bias`` (most at low noise).
-    ``bias`` is per edge here (the maths' form); the anchor's script reduces it over the batch (spec/anchors.md 2.4).
+    ``bias`` is per edge here (the maths' form); GRPO-Guard's released script reduces it over the batch.
     mean, old_mean: (E, *latent); std: (E, *latent) or broadcastable; log-probs (E,).
     """
     n = mean.shape[0]

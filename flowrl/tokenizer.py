@@ -1,6 +1,6 @@
 """The CLIP BPE tokenizer built offline from the vocabulary file that open_clip_torch ships.
 
-Recipe (spec/rewards.md section 9.2): ids 0-255 are the byte alphabet in ``bytes_to_unicode`` order,
+Recipe: ids 0-255 are the byte alphabet in ``bytes_to_unicode`` order,
 256-511 the same with ``</w>``, then one id per merge in file order, then ``<|startoftext|>`` (49406) and
 ``<|endoftext|>`` (49407). The result equals the openai CLIP tokenizer files byte for byte.
 """

@@ -7,7 +7,7 @@
 - :class:`CapabilityEMA`: AdaGRPO's EMA of the anchor scores' mean and variance (alpha 0.8; the first
   observation is taken as is).
 - :func:`superflow_advantages`, :func:`adagrpo_advantages`, :func:`superflow_group_sizes`: the formulas of
-  ../shared/spec/algorithms.md sections 4 and 8, pure functions tested against hand computation.
+  SuperFlow and AdaGRPO papers, pure functions tested against hand computation.
 """
 
 from __future__ import annotations

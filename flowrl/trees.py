@@ -1,7 +1,7 @@
 """BranchGRPO's credit assignment on a rollout tree: reward fusion, depth-wise advantages, pruning.
 
 All functions take a :class:`~flowrl.engine.Tree` and work per round (= depth: a node created by step i has
-depth i + 1). Maths: ../shared/spec/algorithms.md section 1 (c) and (e).
+depth i + 1). Maths: the BranchGRPO paper (arXiv 2509.06040) and its released code.
 
 - :func:`fuse_rewards`: a node's value from its leaves: uniform mean (beta = 0), the paper's path-probability
   weighting ``w_l ∝ exp(beta * log p_beh(l | n))``, or the released code's recursive softmax over child edges.

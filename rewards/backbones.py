@@ -1,6 +1,6 @@
 """Shared CLIP-family plumbing for the reward models: image preprocessing paths and an HF CLIPModel wrapper.
 
-Preprocessing paths (all take (N, 3, H, W) float in [0, 1]; spec/rewards.md sections 2, 3.3 and 8.4):
+Preprocessing paths (all take (N, 3, H, W) float in [0, 1]; each as its reward's released code preprocesses):
 - ``pil``: the references' uint8 -> PIL path through transformers' ``CLIPImageProcessorPil`` (shortest side
   bicubic resize, centre crop, OpenAI mean/std); bit-equal to open_clip's validation transform.
 - ``tensor_bilinear``: flow_grpo's CLIP-score path, a float-tensor ``Resize(size)`` (bilinear, antialiased),

@@ -41,7 +41,7 @@ def test_tiny_latent_space_model_decodes():
 
 
 def test_jpeg_golden_values():
-    """spec/rewards.md section 6: a uniform gray 512 px image is 4,721 bytes at quality 95 (Pillow 13)."""
+    """Measured: a uniform gray 512 px image is 4,721 bytes at quality 95 (Pillow 13)."""
     gray = torch.full((1, 3, 512, 512), 128 / 255)
     inc = build_reward("jpeg_incompressibility")(gray)
     comp = build_reward("jpeg_compressibility")(gray)

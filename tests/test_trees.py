@@ -1,5 +1,5 @@
 """Denoising trees: BranchGRPO fusion / depth advantages / pruning, TempFlow and E-GRPO plans, accounting.
-Expected values are computed by hand from ../shared/spec/algorithms.md sections 1, 3 and 5."""
+Expected values are computed by hand from the papers' formulas (BranchGRPO, TempFlow-GRPO, E-GRPO)."""
 
 import math
 from pathlib import Path

@@ -1,7 +1,7 @@
 """BranchGRPO (arXiv 2509.06040): one root per prompt (or ``trees_per_prompt``) that branches K ways at the split
 steps (K ** |B| leaves per tree form the group), every edge trained; leaf rewards are fused up the tree,
 advantages are z-scored per (prompt, depth) over the prompt's trees, and width / depth pruning drop gradient work. ``mix``: ODE outside the split steps and the
-window (BranchGRPO-Mix). Tree maths: flowrl/trees.py; spec: ../shared/spec/algorithms.md section 1."""
+window (BranchGRPO-Mix). Tree maths: flowrl/trees.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Chunk-GRPO (GCPO, arXiv 2510.21583): a sample path's trained transitions (high noise first) are split into
 consecutive chunks; a chunk's ratio is the geometric mean of its step ratios and the PPO clip applies per chunk
 with the path's advantage. ``int(K * timestep_fraction)`` chunks are trained per path, drawn uniformly or by
-each chunk's latent change. Chunk maths: flowrl/chunks.py; spec: ../shared/spec/algorithms.md section 2."""
+each chunk's latent change. Chunk maths: flowrl/chunks.py."""
 
 from __future__ import annotations
 

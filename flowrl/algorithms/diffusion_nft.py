@@ -11,7 +11,7 @@ positive policy and away from the negative one:
 The old policy is a copy of the trained weights that follows them after every iteration,
 ``old <- d old + (1 - d) theta`` with ``d = min(0.001 it, 0.5)`` (``old_decay: ramp``) or 0 until iteration 75,
 then ``min(0.0075 (it - 75), 0.999)`` (``delayed``). CFG-free: the presets sample with guidance 1.
-Values from NVlabs/DiffusionNFT's released code (spec/anchors.md section 6).
+Values from NVlabs/DiffusionNFT's released code.
 """
 
 from __future__ import annotations

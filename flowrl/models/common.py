@@ -14,7 +14,7 @@ from ..errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The attention projections of a joint (dual-stream) transformer block, as diffusers names them in SD3, FLUX and
-# Qwen-Image: Flow-GRPO's SD3 LoRA targets (spec/anchors.md 2.2), which its FLUX and Qwen-Image scripts reuse.
+# Qwen-Image: Flow-GRPO's SD3 LoRA targets (its released training scripts), which its FLUX and Qwen-Image scripts reuse.
 JOINT_ATTENTION_LORA_TARGETS = [
     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
     "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
