@@ -314,7 +314,7 @@ def _all_keys(cls, prefix="") -> list[str]:
     for name, f in cls.model_fields.items():
         keys.append(f"{prefix}{name}")
         sub = _section_type(f.annotation)
-        if sub is not None and not typing.get_origin(f.annotation) is list:
+        if sub is not None and typing.get_origin(f.annotation) is not list:
             keys += _all_keys(sub, f"{prefix}{name}.")
     return keys
 
@@ -359,19 +359,19 @@ def _one_line(exc: ValidationError, cls, prefix: str) -> ConfigError:
     if kind in bounds:
         sign, name = bounds[kind]
         return ConfigError(f"{key}: {value!r} is out of range; it must be {sign} {ctx[name]}")
+    field = _field_at(cls, loc)
     if kind in ("model_type", "model_attributes_type"):
-        field = _field_at(cls, loc)
         section = _section_type(field.annotation) if field is not None else None
         return ConfigError(f"{key}: expected a mapping of {section.__name__ if section else 'section'} fields, got "
                            f"{value!r}")
     if kind == "list_type":
-        field = _field_at(cls, loc)
         return ConfigError(f"{key}: expected {_type_name(field.annotation) if field else 'a list'}, got {value!r}")
     base = kind.split("_")[0]
     return ConfigError(f"{key}: expected {_EXPECTED.get(base, base)}, got {value!r}")
 
 
 def _field_at(cls, loc):
+    """The field the error location ends in (list indices skipped), or None."""
     field = None
     for part in loc:
         if isinstance(part, int) or cls is None:
@@ -414,7 +414,7 @@ def build_algorithm(value, key: str = "algorithm"):
     if unknown:
         k = unknown[0]
         if f"{key}.{k}" in MOVED:
-            raise ConfigError(f"config key '{key}.{k}' has moved: use {MOVED[f'{key}.{k}']}")
+            raise _unknown(f"{key}.{k}", Config, "")
         valid = ", ".join(f for f in options.model_fields if f != "name")
         close = difflib.get_close_matches(str(k), list(options.model_fields), n=1)
         hint = f"did you mean {key}.{close[0]!r}? " if close else ""
