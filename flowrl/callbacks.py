@@ -148,8 +148,14 @@ class HeldOutMonitor(Callback):
                               f"{self.metric!r}; use one of {numbers}")
         if self.best is None or value > self.best["value"]:
             self.best = {"iteration": done, "metric": self.metric, "value": value, "since": 0}
-            if log.keep_best and trainer.procs.is_main:  # the weights just evaluated (EMA where enabled)
-                p = trainer.policy
+            p = trainer.policy
+            if log.keep_best and p.sharded:  # every process writes its shards
+                from .sharded_checkpoint import save_sharded_checkpoint
+
+                with p.ema_weights():
+                    save_sharded_checkpoint(trainer.run_dir / "checkpoints" / "best", p, trainer.adapter, trainer.procs,
+                                            done - 1, extra={"best": self.best})
+            elif log.keep_best and trainer.procs.is_main:  # the weights just evaluated (EMA where enabled)
                 with p.ema_weights():
                     save_checkpoint(trainer.run_dir / "checkpoints" / "best", trainer.adapter, p.module, p.optimizer,
                                     done - 1, lora=p.lora, extra={"best": self.best}, keep=log.keep_checkpoints)
@@ -183,7 +189,12 @@ class HeldOutMonitor(Callback):
         if last["iteration"] == best["iteration"] or last[best["metric"]] >= best["value"]:
             return  # a last point that ties the best keeps the trained weights: the earlier ones do not beat it
         policy = trainer.policy
-        (load_lora_into if policy.lora else load_full_into)(policy.module, ckpt, trainer.cfg)
+        if policy.sharded:
+            from .sharded_checkpoint import load_sharded_weights
+
+            load_sharded_weights(policy.module, ckpt)
+        else:
+            (load_lora_into if policy.lora else load_full_into)(policy.module, ckpt, trainer.cfg)
         policy.reset_ema()
         best["ended_with"] = True  # `--checkpoint RUN_DIR` (sample, eval, export) then means these weights
         self._write_best(trainer)

@@ -25,7 +25,10 @@ STATE_FILE = "trainer_state.pt"
 def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
     from peft.utils import get_peft_model_state_dict
 
-    return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
+    from .sharding import full
+
+    # sharded (train.fsdp): every process gathers each tensor whole, in the same order
+    return {k: full(v.detach()).cpu().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
 
 
 def save_checkpoint(ckpt_dir: Path, adapter, transformer, optimizer, iteration: int, lora: bool, ema=None,
@@ -105,17 +108,25 @@ def checkpoint_problem(ckpt: Path) -> str | None:
         int(state["iteration"])
     except (OSError, ValueError, KeyError, TypeError):
         return "state.json is missing or unreadable"
-    weights = [ckpt / LORA_FILE] if state.get("lora", True) else sorted((ckpt / "transformer").glob("*.safetensors"))
-    if not weights or not all(w.is_file() for w in weights):
+    if state.get("sharded"):  # every process's shards, and the LoRA file the main process consolidated
+        if not (ckpt / "sharded" / ".metadata").is_file():
+            return "its sharded state (sharded/.metadata) is missing"
+        weights = [ckpt / LORA_FILE] if state.get("lora", True) else []
+    else:
+        weights = [ckpt / LORA_FILE] if state.get("lora", True) else sorted((ckpt / "transformer").glob("*.safetensors"))
+        if not weights:
+            return "its weights file is missing"
+    if not all(w.is_file() for w in weights):
         return "its weights file is missing"
     for w in weights:
         problem = _safetensors_problem(w)
         if problem:
             return problem
-    try:  # a zip cut short fails here without reading the tensors (mmap)
-        torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # noqa: BLE001 (any failure means the file cannot be used)
-        return f"{STATE_FILE} is unreadable ({type(exc).__name__})"
+    if not state.get("sharded"):
+        try:  # a zip cut short fails here without reading the tensors (mmap)
+            torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # noqa: BLE001 (any failure means the file cannot be used)
+            return f"{STATE_FILE} is unreadable ({type(exc).__name__})"
     return None
 
 
@@ -212,7 +223,13 @@ def checkpoint_is_lora(ckpt_dir: Path) -> bool:
 
 
 def load_full_into(transformer, ckpt_dir: Path, cfg=None) -> None:
-    """Full fine-tuning weights (safetensors from ``save_pretrained``) into a transformer of the same config."""
+    """Full fine-tuning weights (safetensors from ``save_pretrained``, or a sharded run's shards) into a
+    transformer of the same config."""
+    from .sharded_checkpoint import is_sharded_checkpoint, load_sharded_weights
+
+    if is_sharded_checkpoint(ckpt_dir):
+        load_sharded_weights(transformer, ckpt_dir)
+        return
     files = sorted((Path(ckpt_dir) / "transformer").glob("*.safetensors"))
     if not files:
         raise FlowRLError(f"{ckpt_dir}: no transformer weights (transformer/*.safetensors); is it a LoRA checkpoint?")
@@ -281,6 +298,12 @@ def find_resume_checkpoint(cfg, run_dir=None) -> Path:
 def load_run_state(ckpt: Path, policy, algorithm, cfg) -> None:
     """Everything a resumed run continues from: the weights, optimizer, EMA and old-policy copies into ``policy``
     and the algorithm's own state (trackers, curricula)."""
+    if policy.sharded:
+        from .sharded_checkpoint import load_sharded_state
+
+        info = load_sharded_state(ckpt, policy)
+        algorithm.load_state_dict(info.get("algorithm_state", {}))
+        return
     (load_lora_into if cfg.train.lora.enabled else load_full_into)(policy.module, ckpt, cfg)
     state = load_trainer_state(ckpt)
     try:

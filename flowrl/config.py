@@ -193,6 +193,26 @@ class EmaConfig(Section):
     update_every: int = opt(1, lo=1)
 
 
+class ContextParallelConfig(Section):
+    ulysses: int = opt(1, "Ulysses degree: each sample's tokens split over this many processes, heads exchanged by "
+                       "all-to-all around attention (diffusers' context parallelism; FLUX.1, Qwen-Image, Wan)", lo=1)
+    ring: int = opt(1, "ring-attention degree (key/value blocks passed round the ring)", lo=1)
+
+
+class FSDPConfig(Section):
+    enabled: bool = opt(False, "shard the transformer's weights, gradients and optimizer state over the processes "
+                        "(torch FSDP2, one shard group per node, or per train.fsdp.shard_size processes)")
+    shard_size: int = opt(0, "processes one copy of the weights is sharded over; 0 = all of them (FSDP). Smaller "
+                          "divides the world into replicas: HSDP, replicate across nodes and shard within one "
+                          "(2 nodes x 8 GPUs: 8)", lo=0)
+    reshard_after_forward: bool = opt(True, "free the gathered weights after each block's forward (least memory; "
+                                      "false keeps them to the backward: less communication)")
+    cpu_offload: bool = opt(False, "keep the sharded weights, gradients and optimizer state in host memory")
+    resume_other_world_size: bool = opt(False, "allow resuming a sharded checkpoint at another number of processes "
+                                        "(continues equal up to float reduction order, not bit for bit)")
+    context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
+
+
 class TrainConfig(Section):
     iterations: int = opt(30, "rollout + update iterations", lo=1)
     prompts_per_iter: int = opt(4, "distinct prompts (groups) per iteration", lo=1)
@@ -235,6 +255,7 @@ class TrainConfig(Section):
     log_prob_reduce: str = opt("mean", "mean over latent elements (the anchors' convention) or sum", choices=["mean", "sum"])
     lora: LoraConfig = Field(default_factory=LoraConfig)
     ema: EmaConfig = Field(default_factory=EmaConfig)
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
     seed: int = opt(0)
 
 

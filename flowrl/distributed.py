@@ -91,14 +91,20 @@ class ShardedSampler:
     shares, one per process; every process gets every image, in order. Every process must call it alike (the
     held-out evaluations and sample grids run on all of them); one image depends only on its prompt and seed."""
 
-    def __init__(self, sampler, procs: Processes):
-        self.sampler, self.procs = sampler, procs
+    def __init__(self, sampler, procs: Processes, equal_shares: bool = False):
+        self.sampler, self.procs, self.equal_shares = sampler, procs, equal_shares
 
     def __call__(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
         n, world, rank = len(prompts), self.procs.world, self.procs.rank
         bounds = [round(i * n / world) for i in range(world + 1)]
         mine = prompts[bounds[rank]: bounds[rank + 1]]
+        pad = 0
+        if self.equal_shares:  # sharded: every process samples as many prompts (padding repeats one, dropped)
+            pad = max(b - a for a, b in zip(bounds, bounds[1:])) - len(mine)
+            mine = mine + [mine[-1] if mine else prompts[0]] * pad
         images = self.sampler(mine, seeds).cpu() if mine else None  # (len(mine) * S, ...) prompt-major
+        if images is not None and pad:
+            images = images[: len(images) - pad * len(seeds)] if len(mine) > pad else None
         return torch.cat([part for part in self.procs.gather([images]) if part is not None])
 
 

@@ -71,9 +71,10 @@ class Objective(Protocol):
 
     def begin_minibatch(self, items: list, gen: torch.Generator) -> None: ...
 
-    def micro_batch_loss(self, numbered: list[tuple[int, Any]]) -> torch.Tensor:
+    def micro_batch_loss(self, numbered: list[tuple[int, Any]], record: bool = True) -> torch.Tensor:
         """The summed loss of this micro-batch's rows; ``numbered`` pairs each item with its place in the
-        minibatch (the same on every process)."""
+        minibatch (the same on every process). ``record=False``: padding work (sharded training), kept out of
+        the statistics."""
 
     def end_minibatch(self, gen: torch.Generator) -> torch.Tensor | None:
         """After the micro-batches' backwards: an extra loss of the minibatch to back-propagate, or None."""
@@ -143,7 +144,7 @@ class TransitionObjective:
     def begin_minibatch(self, items: list, gen: torch.Generator) -> None:
         self.mb_ratios = []
 
-    def micro_batch_loss(self, numbered: list[tuple[int, Any]]) -> torch.Tensor:
+    def micro_batch_loss(self, numbered: list[tuple[int, Any]], record: bool = True) -> torch.Tensor:
         cfg = self.cfg
         group = [item for _, item in numbered]
         units = [u for it in group for u in it]
@@ -156,6 +157,8 @@ class TransitionObjective:
         row_loss = loss_r + cfg.train.kl_beta * kl
         if self.weights is not None:  # (R,) the weight of each row's step
             row_loss = row_loss * torch.tensor([self.weights[int(i)] for i in step], device=row_loss.device)
+        if not record:
+            return row_loss.sum()
         self.nfe += len(units)
         ratio = ratio.detach()
         self.mb_ratios.append(ratio)
@@ -179,6 +182,8 @@ class TransitionObjective:
         pick = torch.randperm(len(self.untrained[0]), generator=gen)[:cfg.train.kl_untrained_states]
         mine = torch.tensor(procs.share(pick.tolist()), dtype=torch.long)  # the draw is shared across processes
         if not len(mine):
+            if self.parts.policy.sharded and len(pick):  # the others' forwards are collectives: join with weight 0
+                return 0.0 * self._untrained_kl(self.untrained[0][pick[:1]], self.untrained[1][pick[:1]]).sum()
             return None
         ukl = self._untrained_kl(self.untrained[0][mine], self.untrained[1][mine])
         self.nfe += len(mine)
@@ -333,7 +338,7 @@ class ForwardProcessObjective:
         # the whole minibatch's re-noising draws, on every process, so an item's noise is its own
         self.eps = torch.randn((len(items), *self.x0.shape[1:]), generator=gen)  # (M, *latent)
 
-    def micro_batch_loss(self, numbered: list[tuple[int, Any]]) -> torch.Tensor:
+    def micro_batch_loss(self, numbered: list[tuple[int, Any]], record: bool = True) -> torch.Tensor:
         cfg, parts, policy = self.cfg, self.parts, self.parts.policy
         dev, adapter, autocast = parts.device, parts.adapter, parts.accelerator.autocast
         li = torch.tensor([i for _, (i, _) in numbered])
@@ -355,6 +360,8 @@ class ForwardProcessObjective:
         dims = tuple(range(1, x0.ndim))
         loss = self.algorithm.forward_process_loss(x0, x_t, t, v, v_old, self.adv[li].to(dev))  # (B,)
         kl = ((v - v_ref) ** 2).mean(dim=dims) if v_ref is not None else torch.zeros_like(loss)
+        if not record:
+            return (loss + cfg.train.kl_beta * kl).sum()
         self.nfe += len(numbered)
         self.losses.append(loss.detach())
         self.kls.append(kl.detach())

@@ -32,11 +32,15 @@ def micro_batches(numbered: list, max_size: int, size):
 
 def optimise(objective: Objective, batch: UpdateBatch, policy, procs, train_cfg, gen: torch.Generator) -> dict:
     """Train ``policy`` on one iteration's ``batch`` with ``objective``; returns the update's statistics
-    (the objective's, plus optimizer_steps and the mean pre-clip gradient norm)."""
+    (the objective's, plus optimizer_steps and the mean pre-clip gradient norm).
+
+    Sharded (``train.fsdp``), a process whose share of a minibatch makes fewer micro-batches than another's adds
+    zero-weight ones (the loss of the minibatch's first item times 0, not recorded in the statistics): its
+    forwards and backwards are collectives that every process must join."""
     accelerator, opt = policy.accelerator, policy.optimizer
     policy.adapter.transformer.train()
     items = objective.work_items(batch, gen)
-    steps, grad_norms = 0, []
+    steps, grad_norms, padded = 0, [], 0
     for _ in range(train_cfg.inner_epochs if items else 0):
         order = torch.randperm(len(items), generator=gen).tolist()
         n_mb = min(train_cfg.num_minibatches, len(order))
@@ -45,14 +49,22 @@ def optimise(objective: Objective, batch: UpdateBatch, policy, procs, train_cfg,
             n_rows = sum(objective.item_rows(it) for it in mb_items)  # the whole minibatch's, on every process
             objective.begin_minibatch(mb_items, gen)
             opt.zero_grad(set_to_none=True)
-            for group in micro_batches(procs.share(list(enumerate(mb_items))), train_cfg.micro_batch,
-                                       objective.item_size):
+            numbered = list(enumerate(mb_items))
+            groups = list(micro_batches(procs.share(numbered), train_cfg.micro_batch, objective.item_size))
+            for group in groups:
                 accelerator.backward(objective.micro_batch_loss(group) / n_rows)
+            if policy.sharded:  # every process runs as many forwards and backwards as the busiest (zero weight)
+                most = max(len(list(micro_batches(numbered[r::procs.world], train_cfg.micro_batch,
+                                                  objective.item_size))) for r in range(procs.world))
+                for _ in range(most - len(groups)):
+                    accelerator.backward(objective.micro_batch_loss(numbered[:1], record=False) * 0.0)
+                    padded += 1
             extra = objective.end_minibatch(gen)
             if extra is not None:
                 accelerator.backward(extra)
-            procs.sum_gradients(policy.params)
-            grad_norms.append(float(accelerator.clip_grad_norm_(policy.params, train_cfg.max_grad_norm)))
+            if not policy.sharded:  # FSDP has reduced them in the backward
+                procs.sum_gradients(policy.params)
+            grad_norms.append(policy.clip_gradients(train_cfg.max_grad_norm))
             if not math.isfinite(grad_norms[-1]):  # before the step: the weights stay finite
                 raise FlowRLError("non-finite gradient norm; lower train.lr or use fp32 (train.mixed_precision=no)")
             opt.step()
@@ -60,5 +72,7 @@ def optimise(objective: Objective, batch: UpdateBatch, policy, procs, train_cfg,
             if policy.ema is not None and steps % train_cfg.ema.update_every == 0:
                 policy.ema.step(policy.params)
     stats = objective.statistics()
+    if policy.sharded:
+        stats["padding_micro_batches"] = procs.sum(padded)
     stats.update({"optimizer_steps": steps, "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0})
     return stats

@@ -64,13 +64,25 @@ class Policy:
             add_lora(transformer, cfg.train.lora, adapter.lora_targets)
         else:
             transformer.requires_grad_(True)
-        self.params = [p for p in transformer.parameters() if p.requires_grad]
-        for p in self.params:  # trainable weights stay fp32 (mixed precision autocasts the forward)
-            p.data = p.data.float()
+        for p in transformer.parameters():  # trainable weights stay fp32 (mixed precision autocasts the forward)
+            if p.requires_grad:
+                p.data = p.data.float()
         t = cfg.train
         configure_update_path(transformer, t)
+        self.sharded = t.fsdp.enabled
+        self.frozen = None  # full fine-tuning's reference: a frozen copy of the starting weights (2x the memory)
+        self.kl_reference = t.kl_reference if t.kl_beta > 0 or t.kl_untrained_beta > 0 else None
+        if self.kl_reference == "initial" and not self.lora:
+            import copy
+
+            self.frozen = copy.deepcopy(transformer).requires_grad_(False).eval()
+        if self.sharded:
+            self._shard(cfg, adapter, device)
+        self.params = [p for p in transformer.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, t, device)
-        if self.accelerator.num_processes > 1:
+        if self.sharded:
+            self.optimizer = self.accelerator.prepare(self.optimizer)
+        elif self.accelerator.num_processes > 1:
             # Several processes: no DDP wrapper. Processes run different numbers of forwards (their rollout batches
             # and work items differ in count and size) and flowrl.distributed sums the gradients once per step, so
             # the transformer stays a plain module and only its trainable weights are made equal at the start.
@@ -89,12 +101,30 @@ class Policy:
             self.ema = EMAModel(self.params, decay=t.ema.decay)  # decay min((1+n)/(10+n), d) = Flow-GRPO's
         self.adapter = adapter
         self.old = None  # the old (sampling) policy's weights, where the algorithm keeps one
-        self.kl_reference = t.kl_reference if t.kl_beta > 0 or t.kl_untrained_beta > 0 else None
-        self.frozen = None  # full fine-tuning's reference: a frozen copy of the starting weights (2x the memory)
-        if self.kl_reference == "initial" and not self.lora:
-            import copy
 
-            self.frozen = copy.deepcopy(self.module).requires_grad_(False).eval()
+    def _shard(self, cfg, adapter, device: torch.device) -> None:
+        """FSDP2 over every process (flowrl.sharding): the trained transformer, Wan 2.2's other expert and the
+        frozen reference copy, each on the same mesh. Every process starts from the main process's trainable
+        weights (LoRA's random initialisation)."""
+        from . import sharding
+        from .distributed import sync_parameters
+
+        modules = sharding.sharded_modules(adapter) + ([self.frozen] if self.frozen is not None else [])
+        for m in modules:
+            m.to(device)
+        if self.accelerator.num_processes > 1:
+            sync_parameters([p for p in adapter.transformer.parameters() if p.requires_grad])
+        self.mesh = sharding.device_mesh(device, self.accelerator.num_processes, cfg.train.fsdp)
+        for m in modules:
+            sharding.shard_module(m, self.mesh, cfg.train.fsdp, cfg.train.mixed_precision)
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Clip the trainable weights' gradient norm; returns the norm before clipping."""
+        if self.sharded:
+            from .sharding import clip_grad_norm
+
+            return clip_grad_norm(self.params, max_norm)
+        return float(self.accelerator.clip_grad_norm_(self.params, max_norm))
 
     @contextmanager
     def reference(self):
@@ -136,6 +166,13 @@ class Policy:
             self._swap_old()
 
     def _swap_old(self) -> None:
+        if self.sharded:  # FSDP keeps its own views of the shards: exchange values, not tensors
+            with torch.no_grad():
+                for o, p in zip(self.old, self.params):
+                    kept = p.detach().clone()
+                    p.copy_(o)
+                    o.copy_(kept)
+            return
         for k, p in enumerate(self.params):
             p.data, self.old[k] = self.old[k], p.data
 

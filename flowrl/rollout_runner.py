@@ -37,6 +37,7 @@ class RolloutOptions:
     pack_rollouts: bool
     pack_stagger: int
     noise_on_device: bool
+    sharded: bool = False  # train.fsdp: every process makes as many transformer calls as the busiest
 
     @classmethod
     def from_config(cls, cfg, kernel_options: dict, store_mean: bool) -> "RolloutOptions":
@@ -44,7 +45,8 @@ class RolloutOptions:
         return cls(kernel=s.kernel, noise_level=s.noise_level, max_batch=s.max_batch, guidance_scale=s.guidance_scale,
                    log_prob_reduce=cfg.train.log_prob_reduce, kernel_options=kernel_options, store_mean=store_mean,
                    rollout_batches=s.rollout_batches, async_reward=s.async_reward, pack_rollouts=s.pack_rollouts,
-                   pack_stagger=s.pack_stagger, noise_on_device=s.noise_device == "device")
+                   pack_stagger=s.pack_stagger, noise_on_device=s.noise_device == "device",
+                   sharded=cfg.train.fsdp.enabled)
 
 
 class RolloutRunner:
@@ -56,6 +58,11 @@ class RolloutRunner:
         self.adapter, self.rewards, self.procs, self.options = adapter, rewards, procs, options
         self.sigmas, self.latent_shape, self.negative = sigmas, latent_shape, negative
         self._pool: ThreadPoolExecutor | None = None
+        self.ledger = None
+        if options.sharded:
+            from .sharding import CallLedger, sharded_modules
+
+            self.ledger = CallLedger(sharded_modules(adapter))
 
     def __enter__(self) -> "RolloutRunner":
         return self
@@ -118,11 +125,18 @@ class RolloutRunner:
         stagger = (o.pack_stagger or math.ceil(plan.num_steps / max(len(mine), 1)) if o.pack_rollouts
                    else sys.maxsize)
         start = time.perf_counter()
+        if self.ledger is not None:
+            self.ledger.reset()
         packed_rollouts(self.adapter, cond, [(bounds[j], bounds[j + 1], gens[j]) for j in mine], plan, self.sigmas,
                         self.latent_shape, stagger=stagger, roots=roots, on_done=lambda i, part: done(mine[i], part),
                         kernel=o.kernel, noise_level=o.noise_level, max_batch=o.max_batch,
                         guidance_scale=o.guidance_scale, negative=self.negative, log_prob_reduce=o.log_prob_reduce,
                         kernel_options=o.kernel_options, store_mean=o.store_mean)
+        padding = 0
+        if self.ledger is not None:  # sharded: the calls this process is short of, on one row, output dropped
+            from .sharding import pad_calls
+
+            padding = procs.sum(self.ledger.even_out(procs, pad_calls(self.adapter, self.latent_shape, cond)))
         t_rollout = time.perf_counter() - start  # with the decodes (and the scoring, taken off below where sync)
         trees = [trees[j] for j in mine]
         pending = [pending[j] for j in mine]
@@ -139,4 +153,5 @@ class RolloutRunner:
             results = [(scores, 0.0) for _, _, scores in parts]
         return Tree.concat(trees), RewardScores.concat([r[0] for r in results]), {
             "seconds_rollout": t_rollout, "seconds_reward": scored, "seconds_reward_wait": wait,
-            "seconds_reward_hidden": max(0.0, scored - wait), "rollout_batches": k}
+            "seconds_reward_hidden": max(0.0, scored - wait), "rollout_batches": k,
+            **({"padding_calls_rollout": padding} if self.ledger is not None else {})}

@@ -54,7 +54,15 @@ class Trainer:
         self.rewards = build_reward_set(cfg.rewards)
         evaluator = resolve(EVALUATORS, cfg.log.eval, "log.eval")() if cfg.log.eval != "none" else None
         self.algorithm = make_algorithm(cfg)
+        if cfg.train.fsdp.enabled:  # the mesh must fit the launch
+            from .sharding import check_mesh
+
+            check_mesh(self.procs.world, cfg.train.fsdp)
         resume_ckpt = find_resume_checkpoint(cfg, run_dir) if cfg.resume else None
+        if resume_ckpt is not None:
+            from .sharded_checkpoint import check_resume
+
+            check_resume(resume_ckpt, cfg, self.procs.world)
         self.start_iteration = 0
         if resume_ckpt is not None:
             self.start_iteration = int(json.loads((resume_ckpt / "state.json").read_text())["iteration"]) + 1
@@ -79,7 +87,7 @@ class Trainer:
         if self.procs.distributed:  # held-out evaluations and grids: each process samples a share of the prompts
             from .distributed import ShardedSampler
 
-            self.eval_sampler = ShardedSampler(self.eval_sampler, self.procs)
+            self.eval_sampler = ShardedSampler(self.eval_sampler, self.procs, equal_shares=cfg.train.fsdp.enabled)
         self.sigmas, self.negative = self.rollout_sampler.sigmas, self.rollout_sampler.negative
         self.context = AlgorithmContext(self.prompts, self.rewards, self.rollout_sampler)
         options = kernel_options(cfg)
@@ -192,9 +200,15 @@ class Trainer:
 
     def save(self, it: int) -> Path:
         """The main process writes the checkpoint (every process holds the same weights and state); the others
-        wait for it, so a resume that follows reads it whole."""
+        wait for it, so a resume that follows reads it whole. Sharded, every process writes its shards."""
         p = self.policy
         path = self.run_dir / "checkpoints" / f"iter_{it:05d}"
+        if p.sharded:
+            from .sharded_checkpoint import save_sharded_checkpoint
+
+            return save_sharded_checkpoint(path, p, self.adapter, self.procs, it,
+                                           extra={"algorithm_state": self.algorithm.state_dict()},
+                                           keep=self.cfg.log.keep_checkpoints)
         if self.procs.is_main:
             path = save_checkpoint(path, self.adapter, p.module, p.optimizer, it, lora=p.lora, ema=p.ema,
                                    extra={"algorithm_state": self.algorithm.state_dict()},
