@@ -142,6 +142,43 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """A checkpoint as diffusers files: the LoRA file ``load_lora_weights`` reads, or (full fine-tuning) the
+    consolidated transformer folder ``from_pretrained`` reads; sharded checkpoints are gathered into one copy."""
+    import shutil
+
+    from .checkpoint import checkpoint_is_lora, lora_state_dict
+    from .models import load_adapter
+    from .rundir import check_writable
+
+    args.config, args.overrides = None, []
+    ckpt, cfg = _checkpoint_and_config(args)
+    out = Path(args.out)
+    if out.exists():
+        raise FlowRLError(f"--out {out} exists; choose a new folder (an export never replaces files)")
+    check_writable(out, "--out")
+    adapter = load_adapter(cfg.model, "cpu")
+    _load_checkpoint_into(adapter, cfg, ckpt)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    transformer = adapter.transformer
+    try:
+        if checkpoint_is_lora(ckpt):
+            peft_cfg = transformer.peft_config["default"].to_dict()
+            adapter.save_lora(tmp, lora_state_dict(transformer),
+                              {k: (sorted(v) if isinstance(v, set) else v) for k, v in peft_cfg.items()})
+        else:
+            transformer.save_pretrained(str(tmp / "transformer"), safe_serialization=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    os.replace(tmp, out)
+    print(json.dumps({"export": str(out), "checkpoint": str(ckpt), "lora": checkpoint_is_lora(ckpt),
+                      "files": sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())}))
+    return 0
+
+
 def cmd_compare(args) -> int:
     from .report import compare_runs
 
@@ -334,6 +371,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, help="ODE steps (default sampler.eval_num_steps)")
     s.add_argument("--out", default="samples.png")
     s.set_defaults(func=cmd_sample)
+    x = sub.add_parser("export", help="a run's weights as diffusers files: the LoRA file (load_lora_weights) or the "
+                       "full transformer folder (from_pretrained), gathered from a sharded checkpoint")
+    x.add_argument("checkpoint", help="run directory (its final weights) or checkpoint folder")
+    x.add_argument("--iteration", type=int, help="with a run directory: the checkpoint saved after this iteration")
+    x.add_argument("--out", required=True, help="a new folder")
+    x.set_defaults(func=cmd_export)
     c = sub.add_parser("compare", help="reward or held-out curves of several runs (seed bands), PNG, CSV and a "
                          "summary: final values and what each run spent to reach the first run's final value")
     c.add_argument("runs", nargs="+", help="run directories")

@@ -103,13 +103,13 @@ class Policy:
         self.old = None  # the old (sampling) policy's weights, where the algorithm keeps one
 
     def _shard(self, cfg, adapter, device: torch.device) -> None:
-        """FSDP2 over every process (flowrl.sharding): the trained transformer, Wan 2.2's other expert and the
-        frozen reference copy, each on the same mesh. Every process starts from the main process's trainable
+        """FSDP2 over every process (flowrl.sharding): the trained transformer and full fine-tuning's frozen
+        reference copy, each on the same mesh. Every process starts from the main process's trainable
         weights (LoRA's random initialisation)."""
         from . import sharding
         from .distributed import sync_parameters
 
-        modules = sharding.sharded_modules(adapter) + ([self.frozen] if self.frozen is not None else [])
+        modules = [adapter.transformer] + ([self.frozen] if self.frozen is not None else [])
         for m in modules:
             m.to(device)
         if self.accelerator.num_processes > 1:
@@ -125,6 +125,20 @@ class Policy:
 
             return clip_grad_norm(self.params, max_norm)
         return float(self.accelerator.clip_grad_norm_(self.params, max_norm))
+
+    def memory_mb(self) -> dict:
+        """This process's bytes (MiB) of the transformer's weights, the trained weights' gradients and the optimizer
+        state, as held (sharded: this process's shards)."""
+        from .sharding import local
+
+        def mb(tensors) -> float:
+            return sum(local(t).numel() * local(t).element_size() for t in tensors) / 2 ** 20
+
+        raw = getattr(self.optimizer, "optimizer", self.optimizer)
+        state = [v for st in raw.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+        return {"memory/weights_mb": mb(self.module.parameters()),
+                "memory/gradients_mb": mb(p.grad for p in self.params if p.grad is not None),
+                "memory/optimizer_mb": mb(state)}
 
     @contextmanager
     def reference(self):

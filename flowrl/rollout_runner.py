@@ -60,9 +60,9 @@ class RolloutRunner:
         self._pool: ThreadPoolExecutor | None = None
         self.ledger = None
         if options.sharded:
-            from .sharding import CallLedger, sharded_modules
+            from .sharding import CallLedger
 
-            self.ledger = CallLedger(sharded_modules(adapter))
+            self.ledger = CallLedger(adapter.transformer, adapter.device)
 
     def __enter__(self) -> "RolloutRunner":
         return self
@@ -126,17 +126,17 @@ class RolloutRunner:
                    else sys.maxsize)
         start = time.perf_counter()
         if self.ledger is not None:
-            self.ledger.reset()
+            self.ledger.arm()
         packed_rollouts(self.adapter, cond, [(bounds[j], bounds[j + 1], gens[j]) for j in mine], plan, self.sigmas,
                         self.latent_shape, stagger=stagger, roots=roots, on_done=lambda i, part: done(mine[i], part),
                         kernel=o.kernel, noise_level=o.noise_level, max_batch=o.max_batch,
                         guidance_scale=o.guidance_scale, negative=self.negative, log_prob_reduce=o.log_prob_reduce,
                         kernel_options=o.kernel_options, store_mean=o.store_mean)
         padding = 0
-        if self.ledger is not None:  # sharded: the calls this process is short of, on one row, output dropped
-            from .sharding import pad_calls
+        if self.ledger is not None:  # sharded: join the others' remaining calls on one row, output dropped
+            from .sharding import pad_call
 
-            padding = procs.sum(self.ledger.even_out(procs, pad_calls(self.adapter, self.latent_shape, cond)))
+            padding = procs.sum(self.ledger.finish(pad_call(self.adapter, self.latent_shape, cond)))
         t_rollout = time.perf_counter() - start  # with the decodes (and the scoring, taken off below where sync)
         trees = [trees[j] for j in mine]
         pending = [pending[j] for j in mine]

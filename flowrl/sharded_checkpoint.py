@@ -38,14 +38,17 @@ def _raw_optimizer(optimizer):
     return getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
 
 
-def _state(policy, with_optimizer: bool = True) -> dict:
+def _state(policy, with_optimizer: bool | None = None) -> dict:
     """What DCP writes and reads, keyed by parameter name; the values are the live tensors (loads are in place)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     module = policy.module
     names = list(trainable(module))
     state = {"model": trainable(module)}
-    if with_optimizer:
+    # before the first step the optimizer has no state, and asking DCP for it would make some (a zero-gradient
+    # step that advances Adam's step count): a checkpoint taken then (the held-out curve's first best) has none
+    # (``with_optimizer=None``: when it has state; True: always, to load into)
+    if with_optimizer or (with_optimizer is None and _raw_optimizer(policy.optimizer).state):
         state["optimizer"] = get_optimizer_state_dict(module, _raw_optimizer(policy.optimizer))
     if policy.ema is not None:
         state["ema"] = dict(zip(names, policy.ema.shadow_params))
@@ -133,14 +136,18 @@ def load_sharded_state(ckpt: Path, policy) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    from torch.distributed.checkpoint import FileSystemReader
+
     info = json.loads((Path(ckpt) / "state.json").read_text())
-    state = _state(policy)
+    saved = FileSystemReader(str(Path(ckpt) / SHARDED_DIR)).read_metadata().state_dict_metadata
+    state = _state(policy, with_optimizer=any(k.startswith("optimizer") for k in saved))
     try:
         dcp.load(state, checkpoint_id=str(Path(ckpt) / SHARDED_DIR))
     except Exception as exc:  # noqa: BLE001 (DCP reports missing keys and shapes through several exception types)
         raise FlowRLError(f"{ckpt}: its sharded state does not fit this model ({str(exc).splitlines()[0][:200]}); "
                           "resume with the run's own config.yaml") from exc
-    set_optimizer_state_dict(policy.module, _raw_optimizer(policy.optimizer), state["optimizer"])
+    if "optimizer" in state:
+        set_optimizer_state_dict(policy.module, _raw_optimizer(policy.optimizer), state["optimizer"])
     if policy.ema is not None and "ema" in info:
         policy.ema.optimization_step = info["ema"].get("optimization_step", policy.ema.optimization_step)
     return info

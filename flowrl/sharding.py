@@ -2,9 +2,10 @@
 processes with torch's FSDP2 (``fully_shard``), and the rule that keeps sharded processes in step.
 
 Layout. Each repeated block of the family (diffusers' ``_repeated_blocks``, else ``_no_split_modules``: SD3's
-``JointTransformerBlock``, FLUX's double and single blocks, Qwen-Image's, Wan's; both Wan 2.2 experts) is its own
-FSDP unit, and the transformer is the root unit that holds the rest (embedders, norms, projections). Text encoders
-and the VAE are never sharded. With ``train.fsdp.shard_size`` smaller than the world, the mesh is 2D
+``JointTransformerBlock``, FLUX's double and single blocks, Qwen-Image's, Wan's) is its own FSDP unit, and the
+transformer is the root unit that holds the rest (embedders, norms, projections). The trained transformer is
+sharded, and with it full fine-tuning's frozen reference copy. Text encoders, the VAE and Wan 2.2's frozen
+expert (bf16, no gradients or optimizer state; which rows reach it differs between processes) are held whole. With ``train.fsdp.shard_size`` smaller than the world, the mesh is 2D
 (replicas x shard): HSDP, each replica a full copy sharded over ``shard_size`` processes (one node), gradients
 reduce-scattered within it and all-reduced across replicas.
 
@@ -14,10 +15,10 @@ optimizer sees exactly one process's gradient.
 
 Equal work. A sharded layer's forward is a collective (it gathers its weights from every process), so every
 process must run the same sequence of transformer calls whatever its share of the work. Three places pad with
-zero-weight work: the rollout (:class:`CallLedger`: after a process's batches, it makes the calls it is short of
-on a one-row input whose output is dropped), the update (:func:`flowrl.optimise.optimise` adds micro-batches whose
+zero-weight work: the rollout (:class:`CallLedger`: a process that has finished its batches joins the others'
+calls with calls on a one-row input whose output is dropped), the update (:func:`flowrl.optimise.optimise` adds micro-batches whose
 loss is multiplied by 0) and held-out sampling (prompt shares padded to equal length, the padding's images
-dropped). ``padding_calls`` in the metrics counts them.
+dropped). ``padding_calls_rollout`` and ``padding_micro_batches`` in the metrics count them.
 """
 
 from __future__ import annotations
@@ -109,60 +110,58 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
 
 # ------------------------------------------------------------------------------------------ equal work
 class CallLedger:
-    """Counts forward calls of the sharded modules (forward pre-hooks) so that processes can even them out.
+    """Keeps the processes' calls of a sharded module in lockstep during a phase without gradients (the rollout).
 
-    ``pad_calls`` ``[(module, call)]``: ``call()`` runs ``module`` exactly once on a small input and drops the
-    output (the adapter's velocity on one row at a sigma that routes to that module)."""
+    While armed, each call of ``module`` first tells the other processes that this one still has work (a
+    one-number all-reduce, made before FSDP gathers the weights). A process that has finished its own work calls
+    :meth:`finish`, which joins every call the others still make with a padding call (``pad()``: the module on a
+    one-row input, output dropped) until no process has work left. So every process makes the same number of
+    calls, in the same order, whatever its share (unequal batch counts, variable group sizes, trees)."""
 
-    def __init__(self, modules: list[torch.nn.Module]):
-        self.modules = modules
-        self.counts = [0] * len(modules)
-        self._hooks = [m.register_forward_pre_hook(self._counter(i)) for i, m in enumerate(modules)]
+    def __init__(self, module: torch.nn.Module, device: torch.device):
+        self.device, self.armed, self.padding = device, False, False
+        self._hook = module.register_forward_pre_hook(self._before_call, prepend=True)  # before FSDP's gather
 
-    def _counter(self, i: int):
-        def hook(module, args):
-            self.counts[i] += 1
-        return hook
+    def _exchange(self, working: bool) -> bool:
+        import torch.distributed as dist
 
-    def reset(self) -> None:
-        self.counts = [0] * len(self.modules)
+        flag = torch.tensor([1.0 if working else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
-    def even_out(self, procs, calls) -> int:
-        """Make this process's call counts equal to the largest of any process, with ``calls[i]()`` for module i;
-        returns the padding calls made here. Every process must call it at the same point."""
-        everyone = procs.gather([list(self.counts)])
-        target = [max(c[i] for c in everyone) for i in range(len(self.modules))]
+    def _before_call(self, module, args):
+        if self.armed and not self.padding:
+            self._exchange(True)
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def finish(self, pad) -> int:
+        """Pad until every process is done; returns the padding calls this process made. Every process calls it
+        once per armed phase."""
         made = 0
-        with torch.no_grad():
-            for i, call in enumerate(calls):
-                for _ in range(target[i] - self.counts[i]):
-                    call()
-                    made += 1
+        try:
+            while self._exchange(False):
+                self.padding = True
+                with torch.no_grad():
+                    pad()
+                self.padding = False
+                made += 1
+        finally:
+            self.armed = self.padding = False
         return made
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
+        self._hook.remove()
 
 
-def pad_calls(adapter, latent_shape: tuple[int, ...], cond) -> list:
-    """One zero-weight call per sharded module of ``adapter``: the velocity of one zero latent for ``cond``'s first
-    row, at a sigma that the module draws (Wan 2.2 routes sigmas to its two experts)."""
+def pad_call(adapter, latent_shape: tuple[int, ...], cond):
+    """A zero-weight call of the trained transformer: the velocity of one zero latent for ``cond``'s first row, at a
+    sigma the trained transformer draws (Wan 2.2 routes sigmas to its two experts)."""
     row = torch.zeros(1, dtype=torch.long, device=cond.embeds.device)
     x = torch.zeros(1, *latent_shape, device=adapter.device)
-
-    def at(sigma: float):
-        return lambda: adapter.velocity(x, torch.full((1,), sigma, device=adapter.device), cond.index(row))
-
     boundary = getattr(adapter, "boundary", None)
-    if boundary is None:
-        return [at(0.5)]
-    high, low = min(1.0, boundary / 1000 + 0.05), boundary / 2000  # a sigma each side of the expert boundary
-    trained_high = adapter.train_expert == "high_noise"
-    return [at(high if trained_high else low), at(low if trained_high else high)]
-
-
-def sharded_modules(adapter) -> list[torch.nn.Module]:
-    """The transformers that are sharded: the trained one, and Wan 2.2's other expert."""
-    other = getattr(adapter, "frozen_expert", None)
-    return [adapter.transformer] + ([other] if other is not None else [])
+    sigma = 0.5
+    if boundary is not None:  # a sigma on the trained expert's side of the boundary
+        sigma = min(1.0, boundary / 1000 + 0.05) if adapter.train_expert == "high_noise" else boundary / 2000
+    return lambda: adapter.velocity(x, torch.full((1,), sigma, device=adapter.device), cond.index(row))

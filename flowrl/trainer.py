@@ -182,7 +182,8 @@ class Trainer:
             "nfe_rollout": tree.nfe, "transformer_calls_rollout": tree.transformer_calls,
             "leaves": leaves, **{f"plan/{k}": v for k, v in plan.accounting().items()},
             **{f"plan/{k}": v for k, v in plan.notes.items()},
-            "seconds_train": t3 - t2, "peak_memory_mb": peak_memory_mb(self.device), **self.work,
+            "seconds_train": t3 - t2, "peak_memory_mb": peak_memory_mb(self.device), **self.policy.memory_mb(),
+            **self.work,
         })
         return row
 
