@@ -134,6 +134,10 @@ class Policy:
         def mb(tensors) -> float:
             return sum(local(t).numel() * local(t).element_size() for t in tensors) / 2 ** 20
 
+        if self.sharded:
+            from .sharding import reshard
+
+            reshard(self.module)
         raw = getattr(self.optimizer, "optimizer", self.optimizer)
         state = [v for st in raw.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
         return {"memory/weights_mb": mb(self.module.parameters()),

@@ -42,7 +42,10 @@ def _state(policy, with_optimizer: bool | None = None) -> dict:
     """What DCP writes and reads, keyed by parameter name; the values are the live tensors (loads are in place)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    from .sharding import reshard
+
     module = policy.module
+    reshard(module)
     names = list(trainable(module))
     state = {"model": trainable(module)}
     # before the first step the optimizer has no state, and asking DCP for it would make some (a zero-gradient

@@ -47,6 +47,17 @@ def check_mesh(world: int, fsdp_cfg) -> tuple[int, int]:
     return world // shard, shard
 
 
+def check_options(cfg, device: torch.device, world: int) -> None:
+    """Everything about ``train.fsdp`` that can be refused before a model loads, one line each."""
+    check_mesh(world, cfg.train.fsdp)
+    if cfg.train.fsdp.cpu_offload and device.type != "cuda":
+        raise ConfigError(f"train.fsdp.cpu_offload: moves the shards from a GPU to host memory; this run is on "
+                          f"{device.type}; set train.fsdp.cpu_offload=false")
+    if cfg.train.optimizer == "adamw_8bit":
+        raise ConfigError("train.optimizer=adamw_8bit: bitsandbytes' 8-bit AdamW does not take sharded weights; "
+                          "use train.optimizer=adamw with train.fsdp")
+
+
 def device_mesh(device: torch.device, world: int, fsdp_cfg):
     """A 1D mesh (FSDP) or a 2D (replicate, shard) mesh (HSDP) over every process."""
     import torch.distributed as dist
@@ -83,6 +94,16 @@ def shard_module(module: torch.nn.Module, mesh, fsdp_cfg, mixed_precision: str) 
     for unit in (*units, module):
         unit.set_gradient_divide_factor(1.0)  # sum over processes: the losses are already divided by the rows
         unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+
+
+def reshard(module: torch.nn.Module) -> None:
+    """Free the gathered weights of every FSDP unit of ``module`` (``reshard_after_forward=false`` keeps them after
+    a forward without gradients), so that its parameters are the shards the optimizer and checkpoints know."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def is_sharded(param: torch.Tensor) -> bool:

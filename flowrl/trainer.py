@@ -54,10 +54,10 @@ class Trainer:
         self.rewards = build_reward_set(cfg.rewards)
         evaluator = resolve(EVALUATORS, cfg.log.eval, "log.eval")() if cfg.log.eval != "none" else None
         self.algorithm = make_algorithm(cfg)
-        if cfg.train.fsdp.enabled:  # the mesh must fit the launch
-            from .sharding import check_mesh
+        if cfg.train.fsdp.enabled:  # the mesh must fit the launch, the options the device
+            from .sharding import check_options
 
-            check_mesh(self.procs.world, cfg.train.fsdp)
+            check_options(cfg, self.device, self.procs.world)
         resume_ckpt = find_resume_checkpoint(cfg, run_dir) if cfg.resume else None
         if resume_ckpt is not None:
             from .sharded_checkpoint import check_resume
