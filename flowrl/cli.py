@@ -179,6 +179,20 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_memory(args) -> int:
+    from .cli_types import positive_int
+    from .memory import estimate, format_table
+
+    cfg = _load(args.config, args.overrides)
+    try:
+        worlds = [positive_int(w) for w in args.world_size.split(",")]
+    except (ValueError, argparse.ArgumentTypeError):
+        raise FlowRLError(f"--world-size {args.world_size}: give process counts separated by commas, e.g. 1,8")
+    result = estimate(cfg, worlds, fsdp=args.fsdp, shard_size=args.shard_size)
+    print(json.dumps(result, indent=1) if args.json else format_table(result))
+    return 0
+
+
 def cmd_compare(args) -> int:
     from .report import compare_runs
 
@@ -377,6 +391,16 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--iteration", type=int, help="with a run directory: the checkpoint saved after this iteration")
     x.add_argument("--out", required=True, help="a new folder")
     x.set_defaults(func=cmd_export)
+    m = sub.add_parser("memory", help="GiB per process to train a config (weights, gradients, optimizer, EMA, "
+                       "reference, activations) at given world sizes, from the architecture on the meta device")
+    m.add_argument("config", nargs="?")
+    m.add_argument("overrides", nargs="*")
+    m.add_argument("--world-size", default="1", help="process counts, comma-separated (e.g. 1,8)")
+    m.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
+                   help="shard (or not) whatever train.fsdp.enabled says")
+    m.add_argument("--shard-size", type=positive_int, help="processes per shard group (HSDP), default all")
+    m.add_argument("--json", action="store_true", help="the numbers as JSON")
+    m.set_defaults(func=cmd_memory)
     c = sub.add_parser("compare", help="reward or held-out curves of several runs (seed bands), PNG, CSV and a "
                          "summary: final values and what each run spent to reach the first run's final value")
     c.add_argument("runs", nargs="+", help="run directories")

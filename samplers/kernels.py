@@ -1,6 +1,6 @@
 """Step kernels for rectified-flow sampling, as pure functions of tensors.
 
-Conventions (see design.md): ``x = (1 - sigma) x0 + sigma eps``, ``v = eps - x0``, sampling runs from
+Conventions: ``x = (1 - sigma) x0 + sigma eps``, ``v = eps - x0``, sampling runs from
 sigma = 1 (noise) to sigma = 0 (data), ``dt = sigma_next - sigma < 0``.
 
 Every kernel computes in fp32 and returns a :class:`StepOutput` with

@@ -35,6 +35,7 @@ class SD3Adapter(PipelineAdapter):
     family = "sd3"
     pipeline_class_name = "StableDiffusion3Pipeline"
     lora_targets = SD3_LORA_TARGETS
+    presets = SD3_PRESETS
     text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
     # ---------------------------------------------------------------- construction
@@ -47,7 +48,7 @@ class SD3Adapter(PipelineAdapter):
         name = model_cfg.pretrained
         if name in (None, "", "tiny"):
             pipe = build_tiny_sd3_pipeline(model_cfg.tiny, seed=model_cfg.tiny.init_seed)
-            max_seq = 0  # no T5: zero padding tokens would only cost time (tiny-default.md)
+            max_seq = 0  # no T5: zero padding tokens would only cost time
         elif name in MODEL_NAMES or (Path(name) / "pretrain.json").is_file():
             # a named embedded model, or a folder written by `flowrl pretrain-tiny --export-dir`
             pipe = cls.embedded_pipeline(model_cfg, None if name in MODEL_NAMES else load_exported_tiny_sd3)

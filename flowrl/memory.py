@@ -1,0 +1,274 @@
+"""``flowrl memory CONFIG``: how many bytes each process holds to train a config, without weights or a download.
+
+- Weights, gradients, optimizer state, EMA, reference and old-policy copies are counted exactly from the
+  architecture, built on the meta device (the published ``transformer/config.json`` of the shipped presets'
+  checkpoints, a local folder's own config, or the tiny model), with LoRA added as the config asks. Trained
+  weights are fp32 (mixed precision keeps fp32 masters), frozen ones in ``model.dtype``, AdamW holds two fp32
+  moments; under ``train.fsdp`` everything sharded is divided by the shard group's size.
+- Activations of the update are *measured*, not modelled: a narrow replica of the transformer (the same class with
+  one or two of each repeated block and a few attention heads, at the config's real token counts) runs a forward
+  with gradients, the bytes autograd saves are counted, and the per-block share is scaled by the width ratio, the
+  number of blocks, the micro-batch (doubled by CFG in the training forward) and bf16 autocast (x 0.5). The
+  printed assumptions say exactly this; gradient checkpointing keeps one block's activations plus every block's
+  input.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError
+
+GIB = 2 ** 30
+
+# The published transformer/config.json of the presets' checkpoints (class, config), so that no download is needed.
+SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
+                   num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                   pooled_projection_dim=2048, pos_embed_max_size=384, qk_norm="rms_norm",
+                   dual_attention_layers=tuple(range(13)))
+FLUX1_DEV = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38,
+                 attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                 guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                  num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56))
+WAN21_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+                 text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+                 qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
+                 rope_max_seq_len=1024)
+WAN21_1_3B = dict(WAN21_14B, num_attention_heads=12, ffn_dim=8960, num_layers=30)
+ARCHITECTURES = {
+    "stabilityai/stable-diffusion-3.5-medium": ("SD3Transformer2DModel", SD35_MEDIUM, 1),
+    "black-forest-labs/FLUX.1-dev": ("FluxTransformer2DModel", FLUX1_DEV, 1),
+    "black-forest-labs/FLUX.1-schnell": ("FluxTransformer2DModel", dict(FLUX1_DEV, guidance_embeds=False), 1),
+    "Qwen/Qwen-Image": ("QwenImageTransformer2DModel", QWEN_IMAGE, 1),
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("WanTransformer3DModel", WAN21_1_3B, 1),
+    "Wan-AI/Wan2.1-T2V-14B-Diffusers": ("WanTransformer3DModel", WAN21_14B, 1),
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": ("WanTransformer3DModel", WAN21_14B, 2),  # two experts of 14B
+}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass
+class Architecture:
+    class_name: str
+    config: dict
+    experts: int  # Wan 2.2: two transformers of this architecture (one trained, one frozen)
+
+
+def architecture(model_cfg) -> Architecture:
+    """The transformer's class and config for ``model``: a shipped preset, a local diffusers folder, or tiny."""
+    import json
+    from pathlib import Path
+
+    from .models import ADAPTERS
+
+    name = model_cfg.pretrained
+    if name in (None, "", "tiny") or name.startswith("tiny"):
+        from .models import load_adapter
+
+        adapter = load_adapter(model_cfg)
+        second = getattr(adapter, "frozen_expert", None)
+        return Architecture(type(adapter.transformer).__name__, dict(adapter.transformer.config),
+                            2 if second is not None else 1)
+    source = ADAPTERS[model_cfg.family].presets.get(name, name)
+    if source in ARCHITECTURES:
+        cls, config, experts = ARCHITECTURES[source]
+        return Architecture(cls, dict(config), experts)
+    folder = Path(source) / "transformer"
+    if (folder / "config.json").is_file():
+        config = json.loads((folder / "config.json").read_text())
+        experts = 2 if (Path(source) / "transformer_2" / "config.json").is_file() else 1
+        return Architecture(config["_class_name"], {k: v for k, v in config.items() if not k.startswith("_")}, experts)
+    known = ", ".join(sorted(ARCHITECTURES))
+    raise ConfigError(f"model.pretrained: no architecture config for {source!r} on this machine; give a local diffusers "
+                      f"folder (its transformer/config.json is read) or one of {known}")
+
+
+def build_on_meta(arch: Architecture, **changes):
+    import diffusers
+
+    cls = getattr(diffusers, arch.class_name)
+    with torch.device("meta"):
+        return cls.from_config({**arch.config, **changes})
+
+
+# ------------------------------------------------------------------------------------------ state bytes
+def state_bytes(cfg, arch: Architecture, shards: int) -> dict:
+    """Per-process bytes of what the optimizer and the references hold (see the module docstring)."""
+    from .algorithms import make_algorithm
+    from .models import ADAPTERS
+    from .policy import add_lora
+
+    model = build_on_meta(arch)
+    t = cfg.train
+    total = sum(p.numel() for p in model.parameters())
+    if t.lora.enabled:
+        add_lora(model, t.lora, ADAPTERS[cfg.model.family].lora_targets)
+        trained = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    else:
+        trained = total
+    frozen = total if t.lora.enabled else 0
+    wbytes = DTYPE_BYTES[cfg.model.dtype]
+    moments = 2 if t.optimizer == "adamw_8bit" else 8  # two moments, fp32 or 8-bit
+    kl = t.kl_beta > 0 or t.kl_untrained_beta > 0
+    out = {
+        "weights": (frozen * wbytes + trained * 4) / shards,
+        "gradients": trained * 4 / shards,
+        "optimizer": trained * moments / shards,
+        "ema": trained * 4 / shards if t.ema.enabled else 0,
+        "reference": total * 4 / shards if kl and t.kl_reference == "initial" and not t.lora.enabled else 0,
+        "old_policy": trained * 4 / shards if make_algorithm(cfg).keeps_old_policy else 0,
+        "other_expert": total * wbytes if arch.experts == 2 else 0,  # held whole: frozen, bf16
+    }
+    return out, {"parameters": total, "trained": trained}
+
+
+# ------------------------------------------------------------------------------------------ activations
+def _narrow(arch: Architecture, heads: int, blocks: dict[str, int]) -> dict:
+    """Config changes of a replica with ``heads`` attention heads and the given block counts."""
+    c = arch.config
+    full = c["num_attention_heads"]
+    ch = {"num_attention_heads": heads, **blocks}
+    if "ffn_dim" in c:
+        ch["ffn_dim"] = max(1, c["ffn_dim"] * heads // full)
+    if "caption_projection_dim" in c:  # SD3: the text stream's width is the model width
+        ch["caption_projection_dim"] = heads * c["attention_head_dim"]
+    if "dual_attention_layers" in c:
+        ch["dual_attention_layers"] = tuple(i for i in c["dual_attention_layers"] if i < blocks["num_layers"])
+    return ch
+
+
+def _block_counts(arch: Architecture) -> dict[str, int]:
+    c = arch.config
+    return {k: c[k] for k in ("num_layers", "num_single_layers") if k in c}
+
+
+def _saved_bytes(model, velocity) -> int:
+    """Bytes autograd saves for the backward in one forward (each storage counted once)."""
+    seen, total = set(), 0
+
+    def pack(t):
+        nonlocal total
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in seen and t.device.type != "meta":
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        velocity(model)
+    return total
+
+
+def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
+    """Bytes of the update's activations per process (one micro-batch forward with gradients), and the
+    assumptions behind the number."""
+    import diffusers
+
+    from .models import ADAPTERS
+    from .models.common import PromptEmbeds
+
+    c = arch.config
+    heads_full, head_dim = c["num_attention_heads"], c["attention_head_dim"]
+    heads = min(heads_full, max(1, 256 // head_dim))
+    counts = _block_counts(arch)
+    cls = getattr(diffusers, arch.class_name)
+    adapter_cls = ADAPTERS[cfg.model.family]
+    shell = adapter_cls.__new__(adapter_cls)  # the family's own transformer call, without a pipeline
+    shell.dtype, shell.device = torch.float32, torch.device("cpu")
+    shell.guidance, shell.boundary = getattr(adapter_cls, "guidance", 1.0), None
+    res = cfg.model.resolution
+    channels = c.get("in_channels", 16)
+    if cfg.model.family == "flux" or cfg.model.family == "flux2":
+        channels //= 4
+    if cfg.model.family == "qwenimage":
+        channels = c.get("out_channels", 16)
+    tiny = cfg.model.pretrained in (None, "", "tiny") or str(cfg.model.pretrained).startswith("tiny")
+    factor = 1 if tiny else 8  # the VAE's downsampling (the tiny models' own latents are measured as built)
+    if cfg.model.family == "wan":
+        frames = (cfg.model.num_frames - 1) // 4 + 1
+        shape = (channels, frames, res // factor, res // factor)
+    else:
+        shape = (channels, res // factor, res // factor)
+    text_tokens = cfg.model.max_sequence_length + (77 if cfg.model.family == "sd3" else 0)
+    text_dim = c.get("joint_attention_dim") or c.get("text_dim") or 4096
+    pooled = c.get("pooled_projection_dim") or 0
+    if tiny:
+        from .models import load_adapter
+
+        real = load_adapter(cfg.model)
+        shape, cond = real.latent_shape(res), real.encode_prompts(["a"])
+        text_tokens, text_dim, pooled = cond.embeds.shape[1], cond.embeds.shape[2], cond.pooled.shape[-1]
+
+    def velocity(model):
+        shell.transformer = model
+        x = torch.randn(1, *shape)
+        cond = PromptEmbeds(torch.randn(1, text_tokens, text_dim), torch.randn(1, pooled))
+        shell._forward(x, torch.full((1,), 0.5), cond)
+
+    def measure(blocks: dict[str, int]) -> int:
+        torch.manual_seed(0)
+        model = cls.from_config({**c, **_narrow(arch, heads, blocks)})
+        model.train()
+        return _saved_bytes(model, velocity)
+
+    one = {k: 1 for k in counts}
+    base = measure(one)
+    per_block = {k: measure({**one, k: 2}) - base for k in counts}
+    rest = base - sum(per_block.values())
+    scale = heads_full / heads
+    t = cfg.train
+    cfg_double = 2 if (t.cfg and cfg.sampler.guidance_scale > 1 and cfg.model.family in ("sd3", "qwenimage", "wan")) else 1
+    rows = t.micro_batch * cfg_double
+    precision = 0.5 if t.mixed_precision in ("bf16", "fp16") else 1.0
+    if t.gradient_checkpointing:
+        tokens = math.prod(shape[1:]) // 4 + text_tokens  # each block's saved input: (tokens, width), upper bound
+        width = heads_full * head_dim
+        body = max(per_block.values()) * scale + sum(counts.values()) * tokens * width * 4
+    else:
+        body = sum(per_block[k] * scale * counts[k] for k in counts)
+    total = (rest * scale + body) * rows * precision
+    notes = [f"activations measured on a replica with {heads} of {heads_full} attention heads and one or two of each "
+             f"block ({', '.join(f'{k}={v}' for k, v in counts.items())} in the model), scaled x{scale:g} by width, "
+             f"by the block counts, x{rows} inputs per forward (train.micro_batch={t.micro_batch}"
+             f"{', doubled by CFG' if cfg_double == 2 else ''}) and x{precision:g} for "
+             f"{t.mixed_precision if precision < 1 else 'fp32'}",
+             "gradient checkpointing: one block's activations plus every block's input" if t.gradient_checkpointing
+             else "no gradient checkpointing: every block's activations are kept to the backward"]
+    return total, notes
+
+
+def estimate(cfg, world_sizes: list[int], fsdp: bool | None = None, shard_size: int | None = None) -> dict:
+    """Per-process GiB of each part at each world size; ``fsdp`` / ``shard_size`` override the config's."""
+    arch = architecture(cfg.model)
+    sharded = cfg.train.fsdp.enabled if fsdp is None else fsdp
+    act, notes = activation_bytes(cfg, arch)
+    table = []
+    for world in world_sizes:
+        shards = (shard_size or cfg.train.fsdp.shard_size or world) if sharded else 1
+        shards = min(shards, world)
+        parts, counts = state_bytes(cfg, arch, shards)
+        parts["activations"] = act
+        row = {"world_size": world, "shard_size": shards, **{k: v / GIB for k, v in parts.items()}}
+        row["total"] = sum(v for k, v in row.items() if k not in ("world_size", "shard_size"))
+        table.append(row)
+    return {"model": arch.class_name, **counts, "experts": arch.experts, "fsdp": sharded, "per_process_gib": table,
+            "assumptions": notes + ["weights: trained fp32 masters, frozen in model.dtype; AdamW: two fp32 moments; "
+                                    "not counted: the text encoders and VAE (held outside the sharded module), CUDA "
+                                    "context and allocator slack"]}
+
+
+def format_table(result: dict) -> str:
+    cols = ["weights", "gradients", "optimizer", "ema", "reference", "old_policy", "other_expert", "activations",
+            "total"]
+    head = f"{result['model']}: {result['parameters'] / 1e9:.2f}B parameters, {result['trained'] / 1e6:.1f}M trained" \
+           f"{', two experts' if result['experts'] == 2 else ''}; FSDP {'on' if result['fsdp'] else 'off'}"
+    lines = [head, "", "| processes | shard | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
+    for row in result["per_process_gib"]:
+        lines.append(f"| {row['world_size']} | {row['shard_size']} | "
+                     + " | ".join(f"{row[c]:.2f}" for c in cols) + " |")
+    lines += ["", "GiB per process. " + "; ".join(result["assumptions"])]
+    return "\n".join(lines)
