@@ -41,6 +41,9 @@ from .sampling import Sampler, kernel_options, peak_memory_mb, resolve_device
 
 class Trainer:
     def __init__(self, cfg: Config, config_name: str = "run", run_dir: str | Path | None = None):
+        from .sharding import from_launch
+
+        from_launch(cfg)  # an FSDP accelerate config turns train.fsdp on
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.train.seed)

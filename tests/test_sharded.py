@@ -199,3 +199,33 @@ def test_bad_sharded_launches_are_refused_in_one_line(tmp_path, override, messag
     errors = [line for line in done.stderr.splitlines() if line.startswith("flowrl: error:")]
     assert errors and all(message in line for line in errors)  # one line from each process, nothing else
     assert not (tmp_path / "bad").exists()
+
+
+def test_the_shipped_hsdp_accelerate_config_turns_sharding_on(tmp_path):
+    """configs/accelerate/hsdp_2x8.yaml, shrunk to 2 CPU processes (2 replicas x 1), launches a sharded run equal to
+    one process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    launch = yaml.safe_load((ROOT / "configs/accelerate/hsdp_2x8.yaml").read_text())
+    launch.update(num_processes=2, num_machines=1, use_cpu=True, main_process_ip="127.0.0.1",
+                  main_process_port=_free_port(),
+                  parallelism_config={"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 1})
+    (tmp_path / "launch.yaml").write_text(yaml.safe_dump(launch))
+    args = ["configs/tiny_flow_grpo.yaml", "train.iterations=2", "sampler.rollout_batches=2", "train.prompts_per_iter=2",
+            f"log.output_dir={tmp_path}", "log.sample_every=0", "log.save_every=0", "log.progress=false"]
+    done = subprocess.run([str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+                           str(tmp_path / "launch.yaml"), "-m", "flowrl", "train", *args, "log.run_name=hsdp"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    _ok(done)
+    _ok(_train(tmp_path, "one", 1, "tiny_flow_grpo.yaml", "train.prompts_per_iter=2"))
+    saved = yaml.safe_load((tmp_path / "hsdp/config.yaml").read_text())["train"]["fsdp"]
+    assert saved["enabled"] and saved["shard_size"] == 1
+    assert (tmp_path / "hsdp/checkpoints/iter_00001/sharded/.metadata").is_file()
+    for a, b in zip(_rows(tmp_path / "one"), _rows(tmp_path / "hsdp")):
+        assert a["reward_mean/total"] == b["reward_mean/total"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
