@@ -119,9 +119,9 @@ def run_bench(cfg, repeats: int = 1) -> dict:
             "transformer_forward_calls": clock.forward_calls,
             "iteration_vs_transformer": round(wall / max(clock.seconds, 1e-9), 3),
             # under accelerate launch every process rolls out its share of the leaves
-            "processes": trainer.procs.world,
+            "processes": trainer.procs.processes,
             "images_per_second": round(row["leaves"] / wall, 3),
-            "images_per_second_per_process": round(row["leaves"] / wall / trainer.procs.world, 3),
+            "images_per_second_per_process": round(row["leaves"] / wall / trainer.procs.processes, 3),
             "peak_memory_mb": round(peak_memory_mb(trainer.device), 1),
             "rollout_batched": {"max_batch": cfg.sampler.max_batch, "seconds": round(batched, 4), "transformer_calls": calls_b},
             "rollout_max_batch_1": {"max_batch": 1, "seconds": round(single, 4), "transformer_calls": calls_1},

@@ -26,7 +26,7 @@ def cmd_train(args) -> int:
     name = Path(args.config).stem if args.config else "default"
     trainer = Trainer(cfg, config_name=name)
     if trainer.procs.is_main:
-        print(f"run directory: {trainer.run_dir}" + (f" ({trainer.procs.world} processes)" if trainer.procs.distributed
+        print(f"run directory: {trainer.run_dir}" + (f" ({trainer.procs.processes} processes)" if trainer.procs.distributed
                                                      else ""), file=sys.stderr)
     run_dir = trainer.train()
     if not trainer.procs.is_main:

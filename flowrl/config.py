@@ -194,9 +194,14 @@ class EmaConfig(Section):
 
 
 class ContextParallelConfig(Section):
-    ulysses: int = opt(1, "Ulysses degree: each sample's tokens split over this many processes, heads exchanged by "
-                       "all-to-all around attention (diffusers' context parallelism; FLUX.1, Qwen-Image, Wan)", lo=1)
-    ring: int = opt(1, "ring-attention degree (key/value blocks passed round the ring)", lo=1)
+    ulysses: int = opt(1, "Ulysses degree: each sample's tokens split over this many processes, attention heads "
+                       "exchanged by all-to-all (diffusers' context parallelism: FLUX.1, FLUX.2, Qwen-Image, Wan). "
+                       "Groups of ulysses x ring consecutive processes share each sample", lo=1)
+    ring: int = opt(1, "ring-attention degree: key/value blocks passed round a ring of this many processes", lo=1)
+
+    @property
+    def degree(self) -> int:
+        return self.ulysses * self.ring
 
 
 class FSDPConfig(Section):
@@ -210,7 +215,6 @@ class FSDPConfig(Section):
     cpu_offload: bool = opt(False, "keep the sharded weights, gradients and optimizer state in host memory")
     resume_other_world_size: bool = opt(False, "allow resuming a sharded checkpoint at another number of processes "
                                         "(continues equal up to float reduction order, not bit for bit)")
-    context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
 
 
 class TrainConfig(Section):
@@ -256,6 +260,7 @@ class TrainConfig(Section):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     ema: EmaConfig = Field(default_factory=EmaConfig)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
+    context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
     seed: int = opt(0)
 
 

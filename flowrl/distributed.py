@@ -22,19 +22,28 @@ import torch
 
 
 class Processes:
-    """The run's process group as seen from one process (a single process is a group of one)."""
+    """The run's process group as seen from one process (a single process is a group of one).
 
-    def __init__(self, device: torch.device):
+    With context parallelism (``train.context_parallel``, degree c) the processes form groups of c consecutive
+    ranks that split each sample's sequence and do the same work: ``world`` and ``rank`` count those groups (the
+    data-parallel shares), ``processes`` and ``global_rank`` the processes. Gathers keep the first process of each
+    group, so every sample appears once."""
+
+    def __init__(self, device: torch.device, context: int = 1):
         from accelerate import PartialState
 
         self.state = PartialState(cpu=device.type == "cpu")
-        self.world = self.state.num_processes
-        self.rank = self.state.process_index
+        self.processes = self.state.num_processes
+        self.global_rank = self.state.process_index
         self.is_main = self.state.is_main_process
+        self.context = context
+        self.world = self.processes // context
+        self.rank = self.global_rank // context
+        self.context_rank = self.global_rank % context
 
     @property
     def distributed(self) -> bool:
-        return self.world > 1
+        return self.processes > 1
 
     def share(self, items: list) -> list:
         """This process's share of ``items`` (round-robin, so shares differ in length by at most one)."""
@@ -44,9 +53,9 @@ class Processes:
         """Every process's ``objects`` concatenated in rank order, on every process (picklable CPU objects)."""
         if not self.distributed:
             return list(objects)
-        from accelerate.utils import gather_object
-
-        return gather_object(list(objects))
+        parts = [None] * self.processes
+        torch.distributed.all_gather_object(parts, list(objects))
+        return [obj for r, part in enumerate(parts) if r % self.context == 0 for obj in part]
 
     def broadcast(self, obj):
         """The main process's ``obj`` on every process."""

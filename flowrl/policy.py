@@ -76,6 +76,12 @@ class Policy:
             import copy
 
             self.frozen = copy.deepcopy(transformer).requires_grad_(False).eval()
+        if t.context_parallel.degree > 1:  # before sharding: diffusers' hooks go on the plain modules
+            from .sharding import enable_context_parallel
+
+            transformer.to(device)
+            others = [m for m in (self.frozen, getattr(adapter, "frozen_expert", None)) if m is not None]
+            enable_context_parallel([transformer, *others], cfg, adapter, self.accelerator.num_processes)
         if self.sharded:
             self._shard(cfg, adapter, device)
         self.params = [p for p in transformer.parameters() if p.requires_grad]

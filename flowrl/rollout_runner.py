@@ -115,10 +115,13 @@ class RolloutRunner:
         trees, pending = {}, {}
 
         def done(j, part):  # decode batch j's leaves and score them (in the reward thread with async_reward)
+            trees[j] = part
+            if procs.context_rank:  # context parallel: the group's first process scores its samples
+                pending[j] = (None, 0.0)
+                return
             images = self.adapter.decode(part.leaves)
             rows = (part.leaf_group + bounds[j]).tolist()
             pending[j] = pool.submit(score, images, rows) if use_async else score(images, rows)
-            trees[j] = part
 
         # My batches through one driver: packed, each starts `stagger` rounds after the one before and shares its
         # calls; unpacked, each starts when the one before has finished (a stagger no plan reaches).
@@ -141,7 +144,7 @@ class RolloutRunner:
         trees = [trees[j] for j in mine]
         pending = [pending[j] for j in mine]
         start = time.perf_counter()
-        results = [p.result() if use_async else p for p in pending]
+        results = [p.result() if use_async and not isinstance(p, tuple) else p for p in pending]
         wait = time.perf_counter() - start if use_async else sum(r[1] for r in results)
         scored = sum(r[1] for r in results)
         if not use_async:  # the scoring ran inside the rollout loop

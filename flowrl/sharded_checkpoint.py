@@ -78,13 +78,13 @@ def save_sharded_checkpoint(ckpt_dir: Path, policy, adapter, procs, iteration: i
         tmp.mkdir(parents=True)
     procs.barrier()
     dcp.save(_state(policy), checkpoint_id=str(tmp / SHARDED_DIR))
-    _maybe_killed(iteration, procs.rank)
+    _maybe_killed(iteration, procs.global_rank)
     lora = lora_state_dict(policy.module) if policy.lora else None  # gathered on every process (collective)
     if procs.is_main:
         if lora is not None:
             peft_cfg = policy.module.peft_config["default"].to_dict()
             adapter.save_lora(tmp, lora, {k: (sorted(v) if isinstance(v, set) else v) for k, v in peft_cfg.items()})
-        info = {"iteration": iteration, "lora": policy.lora, "sharded": {"world_size": procs.world},
+        info = {"iteration": iteration, "lora": policy.lora, "sharded": {"world_size": procs.processes},
                 **({"ema": _ema_counters(policy.ema)} if policy.ema is not None else {}), **(extra or {})}
         (tmp / "state.json").write_text(json.dumps(info, indent=1))
     procs.barrier()  # every shard is on disk before the folder takes its name

@@ -23,6 +23,8 @@ dropped). ``padding_calls_rollout`` and ``padding_micro_batches`` in the metrics
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from .errors import ConfigError
@@ -215,3 +217,71 @@ def pad_call(adapter, latent_shape: tuple[int, ...], cond):
     if boundary is not None:  # a sigma on the trained expert's side of the boundary
         sigma = min(1.0, boundary / 1000 + 0.05) if adapter.train_expert == "high_noise" else boundary / 2000
     return lambda: adapter.velocity(x, torch.full((1,), sigma, device=adapter.device), cond.index(row))
+
+
+# ------------------------------------------------------------------------------------------ context parallelism
+# The diffusers transformer class of each family: its ``_cp_plan`` says how diffusers splits the sequence.
+TRANSFORMER_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel",
+                       "flux2": "Flux2Transformer2DModel", "qwenimage": "QwenImageTransformer2DModel",
+                       "wan": "WanTransformer3DModel"}
+SPLITS_TEXT = ("flux", "flux2", "qwenimage")  # families whose plan splits the text tokens too
+
+
+def check_context(cfg, processes: int) -> None:
+    """``train.context_parallel``, before a model loads: a family with a plan, a degree that divides the launch."""
+    import diffusers
+
+    cp = cfg.train.context_parallel
+    if cp.degree == 1:
+        return
+    cls = TRANSFORMER_CLASSES.get(cfg.model.family)
+    if cls is None or not getattr(getattr(diffusers, cls), "_cp_plan", None):
+        raise ConfigError(f"train.context_parallel: diffusers has no context-parallel plan for the {cfg.model.family} "
+                          f"transformer; use FLUX.1, FLUX.2, Qwen-Image or Wan, or set train.context_parallel.ulysses=1 "
+                          f"and ring=1")
+    if processes % cp.degree:
+        raise ConfigError(f"train.context_parallel: ulysses x ring = {cp.degree} does not divide the {processes} "
+                          f"processes of this launch; launch a multiple of {cp.degree}")
+
+
+@contextmanager
+def _accelerator_for_cpu(device: torch.device):
+    """diffusers resolves a process's device as ``accelerator:(rank % device_count)``; a CPU run has no device count,
+    so for the duration the CPU is the accelerator with one device."""
+    if device.type != "cpu":
+        yield
+        return
+    count, current = torch.accelerator.device_count, torch._C._get_accelerator
+    torch.accelerator.device_count = lambda: 1
+    torch._C._get_accelerator = lambda: torch.device("cpu")
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count, torch._C._get_accelerator = count, current
+
+
+def enable_context_parallel(modules: list[torch.nn.Module], cfg, adapter, processes: int) -> None:
+    """diffusers' context parallelism on each transformer: groups of ulysses x ring consecutive processes split each
+    sample's sequence (the plan's inputs split before the blocks, the output gathered after ``proj_out``), so every
+    process of a group gets the whole velocity. One line when the heads or the sequence do not divide."""
+    from diffusers import ContextParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cp = cfg.train.context_parallel
+    heads = adapter.transformer.config.num_attention_heads
+    if heads % cp.ulysses:
+        raise ConfigError(f"train.context_parallel.ulysses={cp.ulysses}: the transformer's {heads} attention heads do "
+                          f"not split evenly; use a divisor of {heads}")
+    tokens = adapter.image_seq_len(cfg.model.resolution)
+    text = adapter.encode_prompts(["a"]).embeds.shape[1] if cfg.model.family in SPLITS_TEXT else 0
+    for what, n in (("image tokens", tokens), ("text tokens", text)):
+        if n % cp.degree:
+            raise ConfigError(f"train.context_parallel: {n} {what} per sample do not split into {cp.degree} equal "
+                              f"parts; change model.resolution (or model.max_sequence_length) or the degree")
+    device = adapter.device
+    mesh = init_device_mesh(device.type, (processes // cp.degree, cp.ring, cp.ulysses),
+                            mesh_dim_names=("data", "ring", "ulysses"))
+    for module in modules:
+        with _accelerator_for_cpu(device):
+            module.enable_parallelism(config=ContextParallelConfig(ring_degree=cp.ring, ulysses_degree=cp.ulysses,
+                                                                   mesh=mesh["ring", "ulysses"]))

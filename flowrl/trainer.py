@@ -47,7 +47,10 @@ class Trainer:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.train.seed)
-        self.procs = Processes(self.device)
+        from .sharding import check_context
+
+        self.procs = Processes(self.device, context=cfg.train.context_parallel.degree)
+        check_context(cfg, self.procs.processes)
         if self.procs.world > cfg.sampler.rollout_batches:
             raise ConfigError(f"sampler.rollout_batches={cfg.sampler.rollout_batches}: {self.procs.world} processes each "
                               f"roll out whole prompt batches; set sampler.rollout_batches to at least "
@@ -60,12 +63,12 @@ class Trainer:
         if cfg.train.fsdp.enabled:  # the mesh must fit the launch, the options the device
             from .sharding import check_options
 
-            check_options(cfg, self.device, self.procs.world)
+            check_options(cfg, self.device, self.procs.processes)
         resume_ckpt = find_resume_checkpoint(cfg, run_dir) if cfg.resume else None
         if resume_ckpt is not None:
             from .sharded_checkpoint import check_resume
 
-            check_resume(resume_ckpt, cfg, self.procs.world)
+            check_resume(resume_ckpt, cfg, self.procs.processes)
         self.start_iteration = 0
         if resume_ckpt is not None:
             self.start_iteration = int(json.loads((resume_ckpt / "state.json").read_text())["iteration"]) + 1

@@ -189,12 +189,16 @@ def test_sharded_run_killed_mid_save_resumes_and_equals_the_whole_run(tmp_path, 
     assert all(torch.equal(loaded[k.removeprefix("transformer.")], wa[k]) for k in wa)
 
 
-@pytest.mark.parametrize("override,message", [
-    ("train.fsdp.shard_size=3", "train.fsdp.shard_size=3: 2 processes cannot be split"),
-    ("train.fsdp.cpu_offload=true", "train.fsdp.cpu_offload: moves the shards from a GPU"),
+@pytest.mark.parametrize("config,override,message", [
+    ("tiny_flow_grpo.yaml", "train.fsdp.shard_size=3", "train.fsdp.shard_size=3: 2 processes cannot be split"),
+    ("tiny_flow_grpo.yaml", "train.fsdp.cpu_offload=true", "train.fsdp.cpu_offload: moves the shards from a GPU"),
+    ("tiny_flow_grpo.yaml", "train.context_parallel.ulysses=2", "no context-parallel plan for the sd3 transformer"),
+    ("tiny_flux_branch_grpo.yaml", "train.context_parallel.ulysses=3", "= 3 does not divide the 2 processes"),
+    ("tiny_flux_branch_grpo.yaml", "model.resolution=20", "do not split into 2 equal parts"),
 ])
-def test_bad_sharded_launches_are_refused_in_one_line(tmp_path, override, message):
-    done = _train(tmp_path, "bad", 2, "tiny_flow_grpo.yaml", FSDP, override)
+def test_bad_sharded_launches_are_refused_in_one_line(tmp_path, config, override, message):
+    extra = ["train.context_parallel.ulysses=2"] if override == "model.resolution=20" else []
+    done = _train(tmp_path, "bad", 2, config, FSDP, override, *extra)
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("flowrl: error:")]
     assert errors and all(message in line for line in errors)  # one line from each process, nothing else
@@ -229,3 +233,47 @@ def test_the_shipped_hsdp_accelerate_config_turns_sharding_on(tmp_path):
     for a, b in zip(_rows(tmp_path / "one"), _rows(tmp_path / "hsdp")):
         assert a["reward_mean/total"] == b["reward_mean/total"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
+# ------------------------------------------------------------------------------------------ context parallelism
+CONTEXT = {
+    # FLUX, LoRA: two processes split every sample's tokens (Ulysses 2); one data-parallel group
+    "flux_ulysses": ("tiny_flux_branch_grpo.yaml", ["sampler.rollout_batches=1", "train.context_parallel.ulysses=2"]),
+    # Wan, full fine-tuning with its reference: Ulysses 2 composed with FSDP2 over the same two processes
+    "wan_ulysses_fsdp": ("tiny_video_default.yaml", ["model.pretrained=tiny", "train.prompts_per_iter=2",
+                                                     "algorithm.group_size=4", "log.eval=none",
+                                                     "sampler.rollout_batches=1", "train.context_parallel.ulysses=2",
+                                                     FSDP]),
+}
+
+
+@pytest.mark.parametrize("case", list(CONTEXT))
+def test_context_parallel_equals_one_process(tmp_path, case):
+    """Rollouts (the rewards of every leaf) equal to float tolerance, and the update's gradients (norm, ratios, KL,
+    the trained weights) equal to the one-process run's."""
+    config, extra = CONTEXT[case]
+    plain = [e for e in extra if not e.startswith(("train.context_parallel", "train.fsdp"))]
+    _ok(_train(tmp_path, "one", 1, config, *plain))
+    _ok(_train(tmp_path, "cp", 2, config, *extra))
+    one, cp = _rows(tmp_path / "one"), _rows(tmp_path / "cp")
+    for a, b in zip(one, cp):
+        assert b["leaves"] == a["leaves"] and b["nfe_train"] == a["nfe_train"]  # each sample once, not per process
+        assert b["reward_mean/total"] == pytest.approx(a["reward_mean/total"], rel=1e-5)
+        assert b["reward_std/total"] == pytest.approx(a["reward_std/total"], rel=1e-4)
+        for k in ("grad_norm", "ratio_mean", "approx_kl", "kl_loss"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-9), k
+    ckpt = "checkpoints/iter_00001"
+    if case == "flux_ulysses":
+        wa = load_file(tmp_path / "one" / ckpt / "pytorch_lora_weights.safetensors")
+        wb = load_file(tmp_path / "cp" / ckpt / "pytorch_lora_weights.safetensors")
+    else:
+        from flowrl.checkpoint import load_full_into
+        from flowrl.config import load_config
+        from flowrl.models import load_adapter
+
+        model = load_adapter(load_config(tmp_path / "cp/config.yaml", []).model).transformer
+        load_full_into(model, tmp_path / "cp" / ckpt)
+        wa = load_file(tmp_path / "one" / ckpt / "transformer/diffusion_pytorch_model.safetensors")
+        wb = {k: v for k, v in model.state_dict().items() if k in wa}
+    assert wa.keys() == wb.keys()
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 5e-5
