@@ -120,6 +120,10 @@ def run_bench(cfg, repeats: int = 1) -> dict:
             "iteration_vs_transformer": round(wall / max(clock.seconds, 1e-9), 3),
             # under accelerate launch every process rolls out its share of the leaves
             "processes": trainer.procs.processes,
+            # sharded (train.fsdp): zero-weight work that kept the processes' transformer calls in step
+            **({"padding_calls_rollout": row.get("padding_calls_rollout", 0),
+                "padding_micro_batches": row.get("padding_micro_batches", 0)} if cfg.train.fsdp.enabled else {}),
+            "memory_per_process_mb": {k.split("/")[1]: round(v, 3) for k, v in row.items() if k.startswith("memory/")},
             "images_per_second": round(row["leaves"] / wall, 3),
             "images_per_second_per_process": round(row["leaves"] / wall / trainer.procs.processes, 3),
             "peak_memory_mb": round(peak_memory_mb(trainer.device), 1),

@@ -48,7 +48,7 @@ def configure_update_path(transformer, t) -> None:
 class Policy:
     """Owns what the optimizer touches. ``accelerator.prepare`` wraps the transformer (DDP where launched so)."""
 
-    def __init__(self, cfg, adapter, device: torch.device):
+    def __init__(self, cfg, adapter, device: torch.device, procs=None):
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState
 
@@ -79,11 +79,12 @@ class Policy:
         if t.context_parallel.degree > 1:  # before sharding: diffusers' hooks go on the plain modules
             from .sharding import enable_context_parallel
 
-            transformer.to(device)
+            if not self.sharded:  # sharded, the weights reach the device with their shards
+                transformer.to(device)
             others = [m for m in (self.frozen, getattr(adapter, "frozen_expert", None)) if m is not None]
             enable_context_parallel([transformer, *others], cfg, adapter, self.accelerator.num_processes)
         if self.sharded:
-            self._shard(cfg, adapter, device)
+            self._shard(cfg, adapter, device, procs)
         self.params = [p for p in transformer.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, t, device)
         if self.sharded:
@@ -108,21 +109,19 @@ class Policy:
         self.adapter = adapter
         self.old = None  # the old (sampling) policy's weights, where the algorithm keeps one
 
-    def _shard(self, cfg, adapter, device: torch.device) -> None:
+    def _shard(self, cfg, adapter, device: torch.device, procs) -> None:
         """FSDP2 over every process (flowrl.sharding): the trained transformer and full fine-tuning's frozen
         reference copy, each on the same mesh. Every process starts from the main process's trainable
-        weights (LoRA's random initialisation)."""
+        weights (LoRA's random initialisation); the others may hold the transformer on the meta device."""
         from . import sharding
-        from .distributed import sync_parameters
+        from .distributed import Processes
+
+        procs = procs or Processes(device)
 
         modules = [adapter.transformer] + ([self.frozen] if self.frozen is not None else [])
-        for m in modules:
-            m.to(device)
-        if self.accelerator.num_processes > 1:
-            sync_parameters([p for p in adapter.transformer.parameters() if p.requires_grad])
         self.mesh = sharding.device_mesh(device, self.accelerator.num_processes, cfg.train.fsdp)
         for m in modules:
-            sharding.shard_module(m, self.mesh, cfg.train.fsdp, cfg.train.mixed_precision)
+            sharding.shard_from_main(m, self.mesh, cfg.train.fsdp, cfg.train.mixed_precision, device, procs)
 
     def clip_gradients(self, max_norm: float) -> float:
         """Clip the trainable weights' gradient norm; returns the norm before clipping."""

@@ -137,6 +137,30 @@ def reshard(module: torch.nn.Module) -> None:
             m.reshard()
 
 
+def shard_from_main(module: torch.nn.Module, mesh, fsdp_cfg, mixed_precision: str, device: torch.device,
+                    procs) -> None:
+    """Shard ``module`` with the main process's weights: only the main process needs them (the others may have
+    built the module on the meta device, without weights). Every process turns the module into meta tensors,
+    shards it, allocates its own shards on ``device`` and receives them from the main process, one tensor at a
+    time (``set_model_state_dict(..., broadcast_from_rank0=True)``). LoRA's random initialisation travels the same
+    way, so every process starts from the main process's weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = module.state_dict() if procs.is_main else {}  # kept alive past .to("meta") below
+    persistent = set(module.state_dict(keep_vars=True)) if procs.is_main else None
+    # buffers outside the state dict (Wan's rotary tables) are computed at construction: sent as they are
+    extra = {n: b.detach().cpu() for n, b in module.named_buffers() if n not in persistent} if procs.is_main else None
+    extra = procs.broadcast(extra)
+    module.to("meta")
+    shard_module(module, mesh, fsdp_cfg, mixed_precision)
+    module.to_empty(device=device)
+    set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():
+        for name, value in extra.items():
+            module.get_buffer(name).copy_(value)
+    del full
+
+
 def is_sharded(param: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 

@@ -78,12 +78,19 @@ class Trainer:
         self.folder = RunFolder(self.procs.broadcast(RunFolder.plan(cfg, config_name, run_dir, resume_ckpt).path))
         self.run_dir = self.folder.path
         # --- the model, the policy and what trains it
-        self.adapter = load_adapter(cfg.model, self.device)
+        if cfg.train.fsdp.enabled:  # only the main process reads the trained transformer's weights
+            from .models.common import sharded_loading
+
+            meta = not self.procs.is_main and getattr(cfg.model, "train_expert", "high_noise") == "high_noise"
+            with sharded_loading(meta_transformer=meta):
+                self.adapter = load_adapter(cfg.model, self.device)
+        else:
+            self.adapter = load_adapter(cfg.model, self.device)
         self.latent_shape = self.adapter.latent_shape(cfg.model.resolution)
         if cfg.sampler.noise_lowpass > min(self.latent_shape[-2:]):
             raise ConfigError(f"sampler.noise_lowpass={cfg.sampler.noise_lowpass}: the latent is only "
                               f"{self.latent_shape[-2]} x {self.latent_shape[-1]}; use at most {min(self.latent_shape[-2:])}")
-        self.policy = Policy(cfg, self.adapter, self.device)
+        self.policy = Policy(cfg, self.adapter, self.device, self.procs)
         if self.algorithm.keeps_old_policy:
             self.policy.enable_old_policy()
         self.accelerator = self.policy.accelerator

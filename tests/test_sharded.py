@@ -277,3 +277,23 @@ def test_context_parallel_equals_one_process(tmp_path, case):
         wb = {k: v for k, v in model.state_dict().items() if k in wa}
     assert wa.keys() == wb.keys()
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 5e-5
+
+
+def test_other_processes_build_the_transformer_without_weights(tmp_path):
+    """Sharded loading of a checkpoint folder: a process other than the main one builds the transformer from its
+    config on the meta device (no weights read); the text encoders load as usual."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from flowrl.config import load_config
+    from flowrl.models import load_adapter
+    from flowrl.models.common import load_pipeline, sharded_loading
+
+    load_adapter(load_config("configs/tiny_flow_grpo.yaml", []).model).pipe.save_pretrained(tmp_path / "tiny")
+    absent = dict(vae=None, text_encoder_3=None, tokenizer_3=None, feature_extractor=None, image_encoder=None)
+    with sharded_loading(meta_transformer=True):
+        other = load_pipeline(StableDiffusion3Pipeline, str(tmp_path / "tiny"), torch.float32, "SD3", **absent)
+    main = load_pipeline(StableDiffusion3Pipeline, str(tmp_path / "tiny"), torch.float32, "SD3", **absent)
+    assert {p.device.type for p in other.transformer.parameters()} == {"meta"}
+    assert {p.device.type for p in other.text_encoder.parameters()} == {"cpu"}
+    shapes = {n: p.shape for n, p in main.transformer.named_parameters()}
+    assert shapes == {n: p.shape for n, p in other.transformer.named_parameters()}

@@ -38,9 +38,37 @@ class PromptEmbeds:
                             torch.nn.functional.pad(mask, (0, length - cur)))
 
 
+# Sharded training (train.fsdp) sets these while the model loads: the transformer stays off the accelerator (it is
+# sharded from the main process's copy), and the other processes build it on the meta device, without weights, so
+# that a 12-32B checkpoint is read into host memory once per machine's main process, not once per GPU.
+SHARDED_LOAD = {"active": False, "meta_transformer": False}
+
+
+@contextmanager
+def sharded_loading(meta_transformer: bool):
+    """Load models for sharding for the duration (see ``SHARDED_LOAD``)."""
+    SHARDED_LOAD.update(active=True, meta_transformer=meta_transformer)
+    try:
+        yield
+    finally:
+        SHARDED_LOAD.update(active=False, meta_transformer=False)
+
+
+def meta_transformer(pipeline_class, source: str, dtype: torch.dtype):
+    """The checkpoint's transformer built from its config on the meta device (no weights read)."""
+    import diffusers
+
+    _, class_name = pipeline_class.load_config(source)["transformer"]
+    cls = getattr(diffusers, class_name)
+    with torch.device("meta"):
+        return cls.from_config(cls.load_config(source, subfolder="transformer")).to(dtype)
+
+
 def load_pipeline(pipeline_class, source: str, dtype: torch.dtype, family: str, **kwargs):
     """A diffusers pipeline by hub id or local folder (downloads only where the hub is reachable)."""
     try:
+        if SHARDED_LOAD["meta_transformer"] and "transformer" not in kwargs:
+            kwargs["transformer"] = meta_transformer(pipeline_class, source, dtype)
         return pipeline_class.from_pretrained(source, torch_dtype=dtype, **kwargs)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -72,7 +100,12 @@ class PipelineAdapter:
         # each prompt is encoded once and cached, so the text encoders (T5-XXL: 9.5 GB in bf16) can live on the
         # CPU and leave the accelerator to the transformer
         self.text_device = self.device if text_encoder_device == "same" else torch.device(text_encoder_device)
-        self.pipe.to(self.device)
+        if SHARDED_LOAD["active"]:  # the transformer is sharded later, from the main process's copy
+            for component in pipe.components.values():
+                if isinstance(component, torch.nn.Module) and component is not pipe.transformer:
+                    component.to(self.device)
+        else:
+            self.pipe.to(self.device)
         for name in (*self.text_encoder_names, "vae"):
             module = getattr(pipe, name, None)
             if module is not None:

@@ -51,7 +51,7 @@ class WanAdapter(PipelineAdapter):
                 self.transformer, self.frozen_expert = second, pipe.transformer
             else:
                 self.frozen_expert = second
-            self.frozen_expert.requires_grad_(False).eval()
+            self.frozen_expert.to(self.device).requires_grad_(False).eval()  # held whole on every process
 
     def _rows_by_expert(self, sigma: torch.Tensor, run) -> torch.Tensor:
         """``run(rows, high_noise)`` for the rows each expert draws, reassembled in row order (B, *latent)."""
