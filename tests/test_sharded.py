@@ -28,6 +28,13 @@ CASES = {
                                                "train.lr=1e-4", "train.kl_beta=0.01"]),
     "branch_grpo_pruned": ("tiny_branch_grpo.yaml", ["train.prompts_per_iter=2", "algorithm.width_pruning=parent_top1"]),
     # 3 rollout batches over 2 processes and odd micro-batches: unequal work before padding
+    # full fine-tuning of the tree and the variable-work cases
+    "branch_grpo_pruned_full": ("tiny_branch_grpo.yaml", ["train.prompts_per_iter=2",
+                                                          "algorithm.width_pruning=parent_top1",
+                                                          "train.lora.enabled=false", "train.lr=1e-4"]),
+    "superflow_unequal_full": ("tiny_superflow.yaml", ["sampler.rollout_batches=3", "train.num_minibatches=5",
+                                                       "train.micro_batch=4", "train.lora.enabled=false",
+                                                       "train.lr=1e-4"]),
     # Wan 2.2's two experts, full fine-tuning of the high-noise one with its frozen reference
     "wan22_two_experts": ("tiny_video_default.yaml", ["model.pretrained=tiny", "model.tiny.experts=2",
                                                       "train.prompts_per_iter=3", "algorithm.group_size=4",
@@ -41,7 +48,15 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+SLOW = {"flow_grpo_full", "branch_grpo_pruned", "branch_grpo_pruned_full", "superflow_unequal_full", "wan22_two_experts", "flow_grpo_hsdp", "wan_ulysses_fsdp"}
+
+
+def _cases(names):
+    """The cases, the slower ones marked slow (``make test-slow`` runs them) to keep the default suite short."""
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in names]
+
+
+@pytest.mark.parametrize("case", _cases(CASES))
 def test_fsdp_two_processes_equal_one_unsharded_process(tmp_path, case):
     config, extra = CASES[case]
     _ok(_train(tmp_path, "one", 1, config, *extra))
@@ -53,14 +68,16 @@ def test_fsdp_two_processes_equal_one_unsharded_process(tmp_path, case):
             if k in a:
                 assert a[k] == b[k], k
         for k in CLOSE:
-            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-9), k
+            # the mean |log ratio| (~5e-5 after a full fine-tuning step) is a mean of differences of fp32 log-probs
+            # of order 1: their rounding (~6e-8 each) bounds its agreement in absolute terms
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-8 if k == "mean_abs_log_ratio" else 1e-9), k
         # each process holds half of the weights, gradients and optimizer state (LoRA: of the adapter; the
         # frozen base weights are sharded too)
         shards = 1 if case == "flow_grpo_hsdp" else 2  # HSDP 2 x 1: each replica holds a whole copy
         for k in ("memory/weights_mb", "memory/gradients_mb", "memory/optimizer_mb"):
             assert b[k] == pytest.approx(a[k] / shards, rel=0.05), k
     assert one[0]["trained_edges"] > 0 and two[0]["ratio_max_abs_dev_first_update"] < 1e-5
-    if case == "superflow_unequal":  # the padding was needed and made
+    if case.startswith("superflow_unequal"):  # the padding was needed and made
         assert all(r["padding_calls_rollout"] > 0 for r in two)
         assert sum(r["padding_micro_batches"] for r in two) > 0
     if case == "flow_grpo_lora":
@@ -78,10 +95,12 @@ def test_fsdp_two_processes_equal_one_unsharded_process(tmp_path, case):
         load_full_into(model, tmp_path / "two" / ckpt)
         wa = load_file(tmp_path / "one" / ckpt / "transformer/diffusion_pytorch_model.safetensors")
         wb = {k: v for k, v in model.state_dict().items() if k in wa}
-    elif case == "flow_grpo_full":  # the consolidated export of the shards equals the unsharded run's weights
+    elif case.endswith("_full"):  # the consolidated export of the shards equals the unsharded run's weights
+        from diffusers import SD3Transformer2DModel
+
         exported = _export(tmp_path / "two", tmp_path / "export")
         wa = load_file(tmp_path / "one" / ckpt / "transformer/diffusion_pytorch_model.safetensors")
-        wb = load_file(exported / "transformer/diffusion_pytorch_model.safetensors")
+        wb = SD3Transformer2DModel.from_pretrained(exported / "transformer").state_dict()
     else:
         wa = load_file(tmp_path / "one" / ckpt / "pytorch_lora_weights.safetensors")
         wb = load_file(tmp_path / "two" / ckpt / "pytorch_lora_weights.safetensors")
@@ -247,7 +266,7 @@ CONTEXT = {
 }
 
 
-@pytest.mark.parametrize("case", list(CONTEXT))
+@pytest.mark.parametrize("case", _cases(CONTEXT))
 def test_context_parallel_equals_one_process(tmp_path, case):
     """Rollouts (the rewards of every leaf) equal to float tolerance, and the update's gradients (norm, ratios, KL,
     the trained weights) equal to the one-process run's."""
