@@ -17,18 +17,10 @@ import torch
 from safetensors.torch import load_file
 
 from .errors import FlowRLError
+from .sharded_checkpoint import lora_metadata, lora_state_dict  # noqa: F401 (callers import them from here too)
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 STATE_FILE = "trainer_state.pt"
-
-
-def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
-    from peft.utils import get_peft_model_state_dict
-
-    from .sharding import full
-
-    # sharded (train.fsdp): every process gathers each tensor whole, in the same order
-    return {k: full(v.detach()).cpu().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
 
 
 def save_checkpoint(ckpt_dir: Path, adapter, transformer, optimizer, iteration: int, lora: bool, ema=None,
@@ -67,10 +59,7 @@ def _disk_full(exc: BaseException) -> bool:
 def _write_checkpoint(tmp: Path, adapter, transformer, optimizer, iteration: int, lora: bool, ema, extra,
                       tensors=None) -> None:
     if lora:
-        # the adapter metadata (rank, alpha, targets) lets diffusers rebuild the same scale alpha / r
-        peft_cfg = transformer.peft_config["default"].to_dict()
-        meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in peft_cfg.items()}
-        adapter.save_lora(tmp, lora_state_dict(transformer), meta)
+        adapter.save_lora(tmp, lora_state_dict(transformer), lora_metadata(transformer))
     else:
         transformer.save_pretrained(str(tmp / "transformer"), safe_serialization=True)
     state = {"optimizer": optimizer.state_dict(), "iteration": iteration}

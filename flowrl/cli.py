@@ -147,7 +147,7 @@ def cmd_export(args) -> int:
     consolidated transformer folder ``from_pretrained`` reads; sharded checkpoints are gathered into one copy."""
     import shutil
 
-    from .checkpoint import checkpoint_is_lora, lora_state_dict
+    from .checkpoint import checkpoint_is_lora, lora_metadata, lora_state_dict
     from .models import load_adapter
     from .rundir import check_writable
 
@@ -165,9 +165,7 @@ def cmd_export(args) -> int:
     transformer = adapter.transformer
     try:
         if checkpoint_is_lora(ckpt):
-            peft_cfg = transformer.peft_config["default"].to_dict()
-            adapter.save_lora(tmp, lora_state_dict(transformer),
-                              {k: (sorted(v) if isinstance(v, set) else v) for k, v in peft_cfg.items()})
+            adapter.save_lora(tmp, lora_state_dict(transformer), lora_metadata(transformer))
         else:
             transformer.save_pretrained(str(tmp / "transformer"), safe_serialization=True)
     except BaseException:

@@ -20,17 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .memory import FLUX1_DEV, SD35_MEDIUM  # the published architecture configs, without weights
 from .models.common import PromptEmbeds
 from .sampling import peak_memory_mb, synchronize
 
-# The published architecture configs (the checkpoints' transformer/config.json), without weights.
-SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
-                   num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-                   pooled_projection_dim=2048, pos_embed_max_size=384, qk_norm="rms_norm",
-                   dual_attention_layers=tuple(range(13)))
-FLUX1_DEV = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38,
-                 attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-                 guidance_embeds=True, axes_dims_rope=(16, 56, 56))
 TINY = {"sd35m": dict(SD35_MEDIUM, num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                       caption_projection_dim=32, pooled_projection_dim=16, pos_embed_max_size=64,
                       dual_attention_layers=(0,)),

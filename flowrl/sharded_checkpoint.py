@@ -30,6 +30,23 @@ SHARDED_DIR = "sharded"
 KILL_DURING_SAVE = "FLOWRL_TEST_KILL_DURING_SAVE"  # "<iteration>:<rank>"
 
 
+def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
+    """The transformer's LoRA layers as diffusers saves them, whole, on the CPU. Sharded (train.fsdp), every
+    process must call it: each tensor is gathered from every process, in the same order."""
+    from peft.utils import get_peft_model_state_dict
+
+    from .sharding import full
+
+    return {k: full(v.detach()).cpu().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
+
+
+def lora_metadata(transformer) -> dict:
+    """The adapter's settings (rank, alpha, targets) saved beside the LoRA file, so diffusers rebuilds the same
+    scale alpha / r."""
+    peft_cfg = transformer.peft_config["default"].to_dict()
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in peft_cfg.items()}
+
+
 def trainable(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in module.named_parameters() if p.requires_grad}
 
@@ -69,8 +86,6 @@ def save_sharded_checkpoint(ckpt_dir: Path, policy, adapter, procs, iteration: i
     """Every process calls it; returns the checkpoint folder once it is complete on disk."""
     import torch.distributed.checkpoint as dcp
 
-    from .checkpoint import lora_state_dict
-
     ckpt_dir = Path(ckpt_dir)
     tmp = ckpt_dir.with_name(f".{ckpt_dir.name}.tmp")
     if procs.is_main:
@@ -82,8 +97,7 @@ def save_sharded_checkpoint(ckpt_dir: Path, policy, adapter, procs, iteration: i
     lora = lora_state_dict(policy.module) if policy.lora else None  # gathered on every process (collective)
     if procs.is_main:
         if lora is not None:
-            peft_cfg = policy.module.peft_config["default"].to_dict()
-            adapter.save_lora(tmp, lora, {k: (sorted(v) if isinstance(v, set) else v) for k, v in peft_cfg.items()})
+            adapter.save_lora(tmp, lora, lora_metadata(policy.module))
         info = {"iteration": iteration, "lora": policy.lora, "sharded": {"world_size": procs.processes},
                 **({"ema": _ema_counters(policy.ema)} if policy.ema is not None else {}), **(extra or {})}
         (tmp / "state.json").write_text(json.dumps(info, indent=1))

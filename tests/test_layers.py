@@ -19,9 +19,10 @@ SOURCES = {"flowrl": ROOT / "flowrl", "flowrl.rewards": ROOT / "rewards", "flowr
 LAYERS = [
     ("cli", ["flowrl.cli", "flowrl.__main__"]),
     ("shapes demo (leaf)", ["flowrl.shapes", "flowrl.shapes.*"]),
-    ("eval / bench", ["flowrl.evaluate", "flowrl.bench", "flowrl.gpu_bench"]),
+    ("eval / bench", ["flowrl.evaluate", "flowrl.bench", "flowrl.gpu_bench", "flowrl.memory"]),
     ("train", ["flowrl.trainer", "flowrl.callbacks", "flowrl.optimise", "flowrl.rollout_runner", "flowrl.policy",
-               "flowrl.checkpoint", "flowrl.rundir", "flowrl.distributed"]),
+               "flowrl.checkpoint", "flowrl.sharded_checkpoint", "flowrl.rundir", "flowrl.distributed",
+               "flowrl.sharding"]),
     ("algorithms", ["flowrl.algorithms", "flowrl.algorithms.*"]),
     ("objectives / losses / advantages", ["flowrl.objectives", "flowrl.advantages", "flowrl.losses", "flowrl.trees", "flowrl.chunks", "flowrl.trackers"]),
     ("rewards / rollout / prompts", ["flowrl.rewards", "flowrl.rewards.*", "flowrl.engine", "flowrl.sampling",
