@@ -48,7 +48,7 @@ CASES = {
 }
 
 
-SLOW = {"flow_grpo_full", "branch_grpo_pruned", "branch_grpo_pruned_full", "superflow_unequal_full", "wan22_two_experts", "flow_grpo_hsdp", "wan_ulysses_fsdp"}
+SLOW = {"flow_grpo_lora", "flow_grpo_full", "branch_grpo_pruned", "branch_grpo_pruned_full", "superflow_unequal_full", "wan22_two_experts", "flow_grpo_hsdp", "wan_ulysses_fsdp"}
 
 
 def _cases(names):
@@ -213,7 +213,8 @@ def test_sharded_run_killed_mid_save_resumes_and_equals_the_whole_run(tmp_path, 
     ("tiny_flow_grpo.yaml", "train.fsdp.cpu_offload=true", "train.fsdp.cpu_offload: moves the shards from a GPU"),
     ("tiny_flow_grpo.yaml", "train.context_parallel.ulysses=2", "no context-parallel plan for the sd3 transformer"),
     ("tiny_flux_branch_grpo.yaml", "train.context_parallel.ulysses=3", "= 3 does not divide the 2 processes"),
-    ("tiny_flux_branch_grpo.yaml", "model.resolution=20", "do not split into 2 equal parts"),
+    pytest.param("tiny_flux_branch_grpo.yaml", "model.resolution=20", "do not split into 2 equal parts",
+                 marks=pytest.mark.slow),  # after the model loads: the slowest of these
 ])
 def test_bad_sharded_launches_are_refused_in_one_line(tmp_path, config, override, message):
     extra = ["train.context_parallel.ulysses=2"] if override == "model.resolution=20" else []
