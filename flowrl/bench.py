@@ -123,6 +123,9 @@ def run_bench(cfg, repeats: int = 1) -> dict:
             # sharded (train.fsdp): zero-weight work that kept the processes' transformer calls in step
             **({"padding_calls_rollout": row.get("padding_calls_rollout", 0),
                 "padding_micro_batches": row.get("padding_micro_batches", 0)} if cfg.train.fsdp.enabled else {}),
+            # model FLOPs, TFLOP/s, MFU (with a known peak) and images/s per process, by phase (flowrl/throughput.py)
+            **{k: v for k, v in row.items() if k.startswith(("flops_", "tflops_", "mfu_", "peak_tflops",
+                                                             "images_per_second_per_process_"))},
             "memory_per_process_mb": {k.split("/")[1]: round(v, 3) for k, v in row.items() if k.startswith("memory/")},
             "images_per_second": round(row["leaves"] / wall, 3),
             "images_per_second_per_process": round(row["leaves"] / wall / trainer.procs.processes, 3),

@@ -259,6 +259,9 @@ class TrainConfig(Section):
     log_prob_reduce: str = opt("mean", "mean over latent elements (the anchors' convention) or sum", choices=["mean", "sum"])
     lora: LoraConfig = Field(default_factory=LoraConfig)
     ema: EmaConfig = Field(default_factory=EmaConfig)
+    peak_tflops: Optional[float] = opt(None, "the device's dense bf16 peak in TFLOP/s for the MFU in the metrics; "
+                                       "default: a table of known GPUs (H100/H200 989, A100 312, ...), none on CPUs",
+                                       lo=0.0, lo_open=True)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
     context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
     seed: int = opt(0)

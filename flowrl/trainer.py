@@ -37,6 +37,7 @@ from .rewards import build_reward_set
 from .rollout_runner import RolloutOptions, RolloutRunner
 from .rundir import RunFolder
 from .sampling import Sampler, kernel_options, peak_memory_mb, resolve_device
+from .throughput import rates
 
 
 class Trainer:
@@ -109,6 +110,12 @@ class Trainer:
         self.runner = RolloutRunner(self.adapter, self.rewards, self.procs,
                                     RolloutOptions.from_config(cfg, options, self.objective.needs_sampling_mean),
                                     self.sigmas, self.latent_shape, self.negative)
+        from .throughput import FlopMeter, device_peak_tflops
+
+        # model FLOPs per phase, each input shape counted once (flowrl/throughput.py): every transformer that runs
+        transformers = [self.adapter.transformer, getattr(self.adapter, "frozen_expert", None), self.policy.frozen]
+        self.meter = FlopMeter([m for m in transformers if m is not None])
+        self.peak_tflops = device_peak_tflops(self.device, cfg.train.peak_tflops)
         if resume_ckpt is not None:
             load_run_state(resume_ckpt, self.policy, self.algorithm, cfg)
         if self.procs.is_main:  # one process writes the run folder
@@ -167,7 +174,7 @@ class Trainer:
         self.adapter.transformer.eval()
         prompts, metadata, roots = algo.choose_prompts(self.context, it, gen, row)
         cond = self.adapter.encode_prompts(prompts)
-        with self.policy.old_weights():  # the old policy samples, where the algorithm keeps one
+        with self.policy.old_weights(), self.meter.phase("rollout"):  # the old policy samples, where one is kept
             tree, scores, timing = self.runner(cond, plan, gen, prompts, metadata, roots)
         row.update(timing)
         t2 = time.perf_counter()
@@ -178,8 +185,9 @@ class Trainer:
         masks = algo.select_edges(tree, gen)
         adv_stats["pruned_edges"] = sum(int((m & ~k).sum()) for m, k in zip(masks, keep))
         masks = [m & k for m, k in zip(masks, keep)]
-        train_stats = optimise(self.objective, UpdateBatch(tree, cond, node_adv, masks), self.policy, self.procs,
-                               cfg.train, gen)
+        with self.meter.phase("update"):
+            train_stats = optimise(self.objective, UpdateBatch(tree, cond, node_adv, masks), self.policy, self.procs,
+                                   cfg.train, gen)
         if self.policy.old is not None:
             self.policy.follow_old(algo.old_decay(it))
         algo.observe_update(train_stats)
@@ -196,6 +204,8 @@ class Trainer:
             "leaves": leaves, **{f"plan/{k}": v for k, v in plan.accounting().items()},
             **{f"plan/{k}": v for k, v in plan.notes.items()},
             "seconds_train": t3 - t2, "peak_memory_mb": peak_memory_mb(self.device), **self.policy.memory_mb(),
+            **rates(self.meter.take(), {"rollout": timing["seconds_rollout"], "update": t3 - t2}, leaves,
+                    self.procs.processes, self.peak_tflops),
             **self.work,
         })
         return row

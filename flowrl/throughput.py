@@ -1,0 +1,131 @@
+"""Throughput and model FLOP utilisation of a run, phase by phase (rollout, update).
+
+The FLOPs of a transformer call depend only on its input shapes, so each distinct shape is counted once, by
+running that first call under ``torch.utils.flop_counter.FlopCounterMode`` (the call itself, no extra forward),
+and later calls of the shape add the cached count. A forward that builds a graph is followed by its backward,
+counted as twice the forward (the matmul convention: dL/dx and dL/dW each cost a forward); recomputation under
+gradient checkpointing is not counted, as MFU conventions do not count it.
+
+On a CPU, PyTorch's FLOP counter does not count the fused CPU attention kernel (it counts the CUDA ones), so
+CPU figures are of the matmuls only.
+
+MFU divides the achieved rate by the device's dense bf16 peak: ``train.peak_tflops`` where set, else the table
+below by device name; unknown devices (and CPUs) report TFLOP/s without MFU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Dense bf16 tensor-core peak in TFLOP/s, by a substring of torch.cuda.get_device_name() (first match wins).
+PEAK_TFLOPS = [("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("H800", 989.0), ("H20", 148.0),
+               ("B200", 2250.0), ("GB200", 2500.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
+               ("L40", 181.0), ("A6000", 155.0), ("RTX 4090", 165.0), ("A10", 125.0), ("L4", 121.0)]
+
+
+def device_peak_tflops(device: torch.device, configured: float | None) -> float | None:
+    """The peak that MFU divides by (None: unknown, MFU not reported)."""
+    if configured:
+        return configured
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
+
+
+def _shape_key(args, kwargs) -> tuple:
+    def key(v):
+        if isinstance(v, torch.Tensor):
+            return ("t", tuple(v.shape), str(v.dtype))
+        if isinstance(v, (list, tuple)):
+            return tuple(key(x) for x in v)
+        return ("v", repr(v)) if isinstance(v, (int, float, bool, str, type(None))) else ("o", type(v).__name__)
+
+    return key(list(args)), tuple(sorted((k, key(v)) for k, v in kwargs.items()))
+
+
+class FlopMeter:
+    """Counts the model FLOPs of the transformer calls (forward hooks on each module), per phase.
+
+    ``with meter.phase("rollout"): ...`` attributes the calls inside to that phase; ``meter.take()`` returns and
+    resets ``{phase: flops}``. ``shapes_counted`` is how many distinct shapes ran under the FLOP counter."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.cache: dict[tuple, int] = {}
+        self.flops: dict[str, float] = {}
+        self.current = None
+        self._counting = None  # (key, FlopCounterMode) while a new shape's first call runs
+        self._handles = []
+        self._trained = {id(m): any(p.requires_grad for p in m.parameters()) for m in modules}
+        for m in modules:
+            self._handles.append(m.register_forward_pre_hook(self._before, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._after, with_kwargs=True))
+
+    @property
+    def shapes_counted(self) -> int:
+        return len(self.cache)
+
+    def phase(self, name: str):
+        meter = self
+
+        class _Phase:
+            def __enter__(self):
+                self.previous, meter.current = meter.current, name
+
+            def __exit__(self, *exc):
+                meter.current = self.previous
+
+        return _Phase()
+
+    def _before(self, module, args, kwargs):
+        if self.current is None or self._counting is not None:
+            return
+        key = (id(module), _shape_key(args, kwargs))
+        if key not in self.cache:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            counter = FlopCounterMode(display=False)
+            counter.__enter__()
+            self._counting = (key, counter)
+
+    def _after(self, module, args, kwargs, output):
+        if self.current is None:
+            return
+        if self._counting is not None:
+            key, counter = self._counting
+            if key[0] != id(module):
+                return
+            counter.__exit__(None, None, None)
+            self.cache[key] = counter.get_total_flops()
+            self._counting = None
+        else:
+            key = (id(module), _shape_key(args, kwargs))
+        forward = self.cache.get(key, 0)
+        with_backward = torch.is_grad_enabled() and self._trained[id(module)]
+        self.flops[self.current] = self.flops.get(self.current, 0) + forward * (3 if with_backward else 1)
+
+    def take(self) -> dict[str, float]:
+        out, self.flops = self.flops, {}
+        return out
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def rates(flops: dict[str, float], seconds: dict[str, float], images: int, processes: int,
+          peak_tflops: float | None) -> dict:
+    """The metrics row's throughput fields: per phase, the FLOPs this process counted, its TFLOP/s, MFU (with a
+    known peak) and images per second per process (the iteration's images over the phase's wall time and the
+    process count)."""
+    row = {}
+    for phase in ("rollout", "update"):
+        f, s = flops.get(phase, 0.0), seconds[phase]
+        row[f"flops_{phase}"] = f
+        row[f"tflops_{phase}"] = f / s / 1e12 if s > 0 else 0.0
+        if peak_tflops:
+            row[f"mfu_{phase}"] = row[f"tflops_{phase}"] / peak_tflops
+        row[f"images_per_second_per_process_{phase}"] = images / s / processes if s > 0 else 0.0
+    if peak_tflops:
+        row["peak_tflops"] = peak_tflops
+    return row

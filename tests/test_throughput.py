@@ -1,0 +1,43 @@
+"""Throughput and MFU in every run's metrics: the FLOPs counted once per input shape equal the FLOP counter's
+count of one call times the calls made, and the rates are those FLOPs over the logged seconds."""
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from flowrl.config import load_config
+from flowrl.throughput import device_peak_tflops
+
+
+def test_throughput_fields_are_the_counted_flops_over_the_logged_seconds(tmp_path):
+    from flowrl.trainer import Trainer
+
+    cfg = load_config("configs/tiny_flow_grpo.yaml", ["train.iterations=2", "train.prompts_per_iter=2",
+                                                      f"log.output_dir={tmp_path}", "log.run_name=t", "log.sample_every=0",
+                                                      "log.save_every=0", "log.progress=false", "train.peak_tflops=0.5"])
+    trainer = Trainer(cfg)
+    # one call of the transformer to be trained (LoRA included) on one sample, under the FLOP counter, outside the
+    # meter (which counts only inside a phase)
+    adapter = trainer.adapter
+    x = torch.randn(1, *adapter.latent_shape(cfg.model.resolution))
+    cond = adapter.encode_prompts([trainer.prompts.prompts[0]])
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        adapter.velocity(x, torch.full((1,), 0.5), cond)
+    per_sample = counter.get_total_flops()
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "t/metrics.jsonl").read_text().splitlines()]
+    assert per_sample > 0
+    for r in rows:
+        assert r["flops_rollout"] == r["nfe_rollout"] * per_sample  # forwards only
+        assert r["flops_update"] == 3 * r["nfe_train"] * per_sample  # forward + backward (2 x forward)
+        for phase, seconds in (("rollout", r["seconds_rollout"]), ("update", r["seconds_train"])):
+            assert r[f"tflops_{phase}"] == pytest.approx(r[f"flops_{phase}"] / seconds / 1e12, rel=1e-12)
+            assert r[f"mfu_{phase}"] == pytest.approx(r[f"tflops_{phase}"] / 0.5, rel=1e-12)
+            assert r[f"images_per_second_per_process_{phase}"] == pytest.approx(r["leaves"] / seconds, rel=1e-12)
+
+
+def test_peak_tflops_from_the_config_or_the_device_table():
+    assert device_peak_tflops(torch.device("cpu"), None) is None  # no MFU on a CPU unless told the peak
+    assert device_peak_tflops(torch.device("cpu"), 2.5) == 2.5
