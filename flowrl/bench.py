@@ -36,6 +36,7 @@ class TransformerClock:
         self.trainer = trainer
         self.forward = self.backward = 0.0
         self.forward_calls = 0
+        self.forward_by_phase: dict[str, float] = {}  # by the FLOP meter's phase (rollout, update; None outside)
 
     def _sync(self):
         synchronize(self.trainer.device)
@@ -50,8 +51,11 @@ class TransformerClock:
 
         def post(mod, args, out):
             self._sync()
-            self.forward += time.perf_counter() - starts.pop()
+            seconds = time.perf_counter() - starts.pop()
+            self.forward += seconds
             self.forward_calls += 1
+            phase = self.trainer.meter.current
+            self.forward_by_phase[phase] = self.forward_by_phase.get(phase, 0.0) + seconds
 
         self._handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
         accelerator = self.trainer.accelerator
@@ -118,6 +122,7 @@ def run_bench(cfg, repeats: int = 1) -> dict:
             "seconds_transformer_backward": round(clock.backward, 4),
             "transformer_forward_calls": clock.forward_calls,
             "iteration_vs_transformer": round(wall / max(clock.seconds, 1e-9), 3),
+            **{k: round(v, 4) for k, v in outside_shares(row, clock).items()},
             # under accelerate launch every process rolls out its share of the leaves
             "processes": trainer.procs.processes,
             # sharded (train.fsdp): zero-weight work that kept the processes' transformer calls in step
@@ -136,6 +141,77 @@ def run_bench(cfg, repeats: int = 1) -> dict:
             "device": str(trainer.device),
             "threads": torch.get_num_threads(),
         }
+
+
+def outside_shares(row: dict, clock: TransformerClock) -> dict:
+    """The share of each phase's time spent outside the transformer (the engine, SDE maths, decode, rewards,
+    optimizer): what a regression of the code around the model shows in, without a device."""
+    rollout, update = row["seconds_rollout"], row["seconds_train"]
+    inside_update = clock.forward_by_phase.get("update", 0.0) + clock.backward
+    return {"outside_transformer_share_rollout": max(0.0, 1 - clock.forward_by_phase.get("rollout", 0.0) / rollout),
+            "outside_transformer_share_update": max(0.0, 1 - inside_update / update) if update > 0 else 0.0}
+
+
+def _spread(values: list[float]) -> dict:
+    import statistics
+
+    med = statistics.median(values)
+    return {"median": med, "min": min(values), "max": max(values),
+            "spread": (max(values) - min(values)) / med if med > 0 else 0.0}
+
+
+def alternate(cfgs: list, names: list[str], rounds: int = 3, unreliable_above: float = 0.2) -> dict:
+    """Time the configs in turns, one measured iteration each per round (A B C A B C ...), so that a change of the
+    machine's load between configs lands on all of them: per config the median and spread (max - min over median)
+    of the iteration, rollout and update times and the outside-the-transformer shares; per config and phase the
+    ratio of medians to the first config, with the range its extremes allow, marked unreliable when that range is
+    wider than ``unreliable_above`` of the ratio."""
+    from contextlib import ExitStack
+
+    from .trainer import Trainer
+
+    with ExitStack() as stack:
+        trainers = []
+        for cfg in cfgs:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory())
+            cfg = cfg.model_copy(update={"log": cfg.log.model_copy(update={
+                "output_dir": tmp, "run_name": "bench", "progress": False, "sample_every": 0, "save_every": 0,
+                "eval": "none", "eval_every": 0})})
+            trainer = Trainer(cfg)
+            trainer.iteration(0)  # warm-up (allocations, caches)
+            trainers.append(trainer)
+        samples = {n: {k: [] for k in ("iteration", "rollout", "update", "outside_rollout", "outside_update")}
+                   for n in names}
+        order = []
+        for r in range(rounds):
+            for name, trainer in zip(names, trainers):
+                with TransformerClock(trainer) as clock:
+                    t0 = time.perf_counter()
+                    row = trainer.iteration(1 + r)
+                    wall = time.perf_counter() - t0
+                shares = outside_shares(row, clock)
+                s = samples[name]
+                s["iteration"].append(wall)
+                s["rollout"].append(row["seconds_rollout"])
+                s["update"].append(row["seconds_train"])
+                s["outside_rollout"].append(shares["outside_transformer_share_rollout"])
+                s["outside_update"].append(shares["outside_transformer_share_update"])
+                order.append(name)
+    summary = {n: {k: _spread(v) for k, v in samples[n].items()} for n in names}
+    first = summary[names[0]]
+    ratios = {}
+    for n in names:
+        ratios[n] = {}
+        for phase in ("iteration", "rollout", "update"):
+            a, b = summary[n][phase], first[phase]
+            ratio = a["median"] / b["median"] if b["median"] > 0 else float("nan")
+            low = a["min"] / b["max"] if b["max"] > 0 else float("nan")
+            high = a["max"] / b["min"] if b["min"] > 0 else float("nan")
+            ratios[n][phase] = {"ratio": ratio, "low": low, "high": high,
+                                "reliable": bool(ratio > 0 and (high - low) / ratio <= unreliable_above)}
+    return {"rounds": rounds, "order": order, "per_config": summary, "ratios_vs_first": ratios,
+            "note": f"a ratio is marked unreliable when the range its samples allow is wider than "
+                    f"{unreliable_above:.0%} of it; rerun with more --rounds or on a quieter machine"}
 
 
 def compare_table(results: list[dict]) -> list[dict]:

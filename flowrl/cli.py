@@ -178,7 +178,6 @@ def cmd_export(args) -> int:
 
 
 def cmd_memory(args) -> int:
-    from .cli_types import positive_int
     from .memory import estimate, format_table
 
     cfg = _load(args.config, args.overrides)
@@ -240,7 +239,7 @@ def torch_cuda_available() -> bool:
 
 
 def cmd_bench(args) -> int:
-    from .bench import compare_table, memory_growth, run_bench
+    from .bench import alternate, compare_table, memory_growth, run_bench
 
     tokens = ([args.config] if args.config else []) + list(args.overrides)
     overrides = [t for t in tokens if "=" in t]
@@ -262,7 +261,12 @@ def cmd_bench(args) -> int:
     if len(results) == 1:
         print(json.dumps(results[0], indent=1))
         return 0
-    print(json.dumps({"runs": results, "side_by_side": compare_table(results)}, indent=1))
+    # the side-by-side ratios from configs timed in turns (A B C A B C ...), medians and spread
+    names = [r["config"] for r in results]
+    if len(set(names)) < len(names):  # the same config twice (a noise check): number them
+        names = [f"{i + 1}. {n}" for i, n in enumerate(names)]
+    alternated = alternate([_load(path, overrides) for path in configs], names, args.rounds)
+    print(json.dumps({"runs": results, "side_by_side": compare_table(results), "alternated": alternated}, indent=1))
     return 0
 
 
@@ -422,7 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "side with ratios to the first (JSON)")
     b.add_argument("config", nargs="?", help="a config; more configs and key=value overrides may follow")
     b.add_argument("overrides", nargs="*", help="more configs (compared with the first) and overrides for all")
-    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--repeats", type=int, default=1, help="rollout timings per config (the best is kept)")
+    b.add_argument("--rounds", type=positive_int, default=3, help="several configs: measured iterations per config, "
+                   "taken in turns (A B C A B C ...); medians and spread")
     b.add_argument("--memory", type=int, metavar="N", help="instead: train N iterations and print the resident "
                    "memory's slope over the second half (MiB per 100 iterations), to catch leaks")
     b.set_defaults(func=cmd_bench)

@@ -41,3 +41,26 @@ def test_throughput_fields_are_the_counted_flops_over_the_logged_seconds(tmp_pat
 def test_peak_tflops_from_the_config_or_the_device_table():
     assert device_peak_tflops(torch.device("cpu"), None) is None  # no MFU on a CPU unless told the peak
     assert device_peak_tflops(torch.device("cpu"), 2.5) == 2.5
+
+
+def test_bench_side_by_side_alternates_the_configs_and_reports_medians_spread_and_outside_shares(capsys):
+    """`flowrl bench A B` on the tiny FLUX and tiny Wan presets: per config the share of each phase outside the
+    transformer; the configs timed in turns over three rounds, with medians, spread and ratio ranges (printed,
+    not asserted as times)."""
+    from flowrl.cli import main
+
+    a, b = "configs/tiny_flux_branch_grpo.yaml", "configs/tiny_video_default.yaml"
+    assert main(["bench", a, b, "train.prompts_per_iter=1", "log.eval=none", "--rounds", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for run in out["runs"]:
+        for phase in ("rollout", "update"):
+            assert 0 <= run[f"outside_transformer_share_{phase}"] <= 1
+    alt = out["alternated"]
+    assert alt["order"] == [a, b] * 3  # A B A B A B: a change of load lands on both
+    for name in (a, b):
+        for part in ("iteration", "rollout", "update", "outside_rollout", "outside_update"):
+            s = alt["per_config"][name][part]
+            assert s["min"] <= s["median"] <= s["max"] and s["spread"] >= 0
+        for phase, r in alt["ratios_vs_first"][name].items():
+            assert r["low"] <= r["ratio"] <= r["high"] and isinstance(r["reliable"], bool)
+    assert all(r["ratio"] == 1.0 for r in alt["ratios_vs_first"][a].values())
