@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.flowrl-installed
 
-.PHONY: demo demo-video test test-slow bench bench-gpu setup clean
+.PHONY: demo demo-video test test-slow bench bench-gpu gpu-check setup clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ bench: $(STAMP)
 # on a CUDA machine: SD3.5-M and FLUX.1 layouts, update step and rollouts at 512 / 1024 px (not yet run on a GPU)
 bench-gpu: $(STAMP)
 	$(VENV)/bin/flowrl bench-gpu --out bench_gpu.json
+
+# the one prepared check for a lent GPU (about 8 minutes on an H200); `make gpu-check GPU_CHECK_ARGS=--tiny` on a CPU
+GPU_CHECK_ARGS ?=
+gpu-check: $(STAMP)
+	$(VENV)/bin/flowrl gpu-check --out gpu_check_$$(date +%Y%m%d_%H%M%S) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf runs compare .pytest_cache

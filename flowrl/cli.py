@@ -232,6 +232,25 @@ def cmd_bench_gpu(args) -> int:
     return 0
 
 
+def cmd_gpu_check(args) -> int:
+    from .gpu_check import STAGES, run_check, run_stage
+
+    if args.stage:  # one stage, in the process run_check started for it
+        run_stage(args.stage, args.tiny, Path(args.stage_out))
+        return 0
+    if not args.tiny and not torch_cuda_available():
+        raise FlowRLError("gpu-check: no CUDA device here; run it on a GPU machine, or add --tiny for the CPU check")
+    unknown = [s for s in args.only or [] if s not in STAGES]
+    if unknown:
+        raise FlowRLError(f"gpu-check --only: unknown stage {unknown[0]!r}; stages: {', '.join(STAGES)}")
+    out = Path(args.out)
+    if (out / "gpu_check.json").exists():
+        raise FlowRLError(f"--out {out} already holds a gpu_check.json; choose another folder")
+    report = run_check(out, args.tiny, args.only, emit=lambda line: print(line, file=sys.stderr))
+    print(json.dumps({"out": str(out), **{n: r["status"] for n, r in report["stages"].items()}}))
+    return 0 if all(r["status"] == "ok" for r in report["stages"].values()) else 1
+
+
 def torch_cuda_available() -> bool:
     import torch
 
@@ -422,6 +441,14 @@ def build_parser() -> argparse.ArgumentParser:
     rk.add_argument("--metric", default=None, help="the held-out number to rank by (default: the evaluator's headline, "
                     "named in each run's eval.json)")
     rk.set_defaults(func=cmd_rank)
+    gc = sub.add_parser("gpu-check", help="the prepared GPU check: benchmark, sharded run, GPU tests and the main job, "
+                        "each stage in its own process and time budget; JSON and Markdown into --out")
+    gc.add_argument("--tiny", action="store_true", help="the same stages on a CPU with tiny models")
+    gc.add_argument("--out", default="gpu_check", help="folder for gpu_check.json and gpu_check.md (a new one)")
+    gc.add_argument("--only", nargs="+", metavar="STAGE", help="run only these stages")
+    gc.add_argument("--stage", help=argparse.SUPPRESS)
+    gc.add_argument("--stage-out", help=argparse.SUPPRESS)
+    gc.set_defaults(func=cmd_gpu_check)
     b = sub.add_parser("bench", help="time one iteration; rollout batched vs max_batch=1; several configs side by "
                        "side with ratios to the first (JSON)")
     b.add_argument("config", nargs="?", help="a config; more configs and key=value overrides may follow")

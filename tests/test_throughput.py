@@ -64,3 +64,29 @@ def test_bench_side_by_side_alternates_the_configs_and_reports_medians_spread_an
         for phase, r in alt["ratios_vs_first"][name].items():
             assert r["low"] <= r["ratio"] <= r["high"] and isinstance(r["reliable"], bool)
     assert all(r["ratio"] == 1.0 for r in alt["ratios_vs_first"][a].values())
+
+
+def test_gpu_check_tiny_runs_every_stage_on_a_cpu(tmp_path):
+    """`flowrl gpu-check --tiny`: every stage in its own process within its budget, one JSON and one Markdown
+    table; a second check never writes over the first."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "flowrl", "gpu-check", "--tiny", "--out", str(tmp_path / "check")]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "check/gpu_check.json").read_text())
+    assert list(report["stages"]) == ["bench-sd35m", "bench-flux1", "fsdp-world1", "gpu-tests", "tiny-main-job"]
+    for name, stage in report["stages"].items():
+        assert stage["status"] == "ok", (name, stage.get("error"))
+        assert 0 < stage["seconds"] <= stage["budget_s"]
+    bench = report["stages"]["bench-flux1"]["rows"]
+    assert {r["case"] for r in bench} >= {"update", "rollout flat", "rollout tree"}
+    fsdp = report["stages"]["fsdp-world1"]["rows"][0]
+    assert fsdp["sharded_checkpoint"] and fsdp["weights_mb"] == pytest.approx(fsdp["estimate_weights_mb"], rel=1e-2)
+    table = (tmp_path / "check/gpu_check.md").read_text()
+    assert "| bench-flux1 | ok |" in table and "## tiny-main-job" in table
+    again = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "already holds a gpu_check.json" in again.stderr
