@@ -244,7 +244,10 @@ class TrainConfig(Section):
     max_grad_norm: float = opt(1.0, lo=0.0, lo_open=True)
     num_minibatches: int = opt(1, "optimizer steps per inner epoch (trained edges split evenly)", lo=1)
     inner_epochs: int = opt(1, lo=1)
-    micro_batch: int = opt(64, "most parent states per forward/backward (gradient accumulation)", lo=1)
+    micro_batch: typing.Union[typing.Annotated[int, Field(ge=1)], typing.Literal["auto"]] = opt(
+        64, "most parent states per forward/backward (gradient accumulation); auto: the largest that fits the "
+        "device's memory by flowrl memory's estimate, chosen once and kept in the run folder (micro_batch.json), "
+        "so a resume uses it again")
     cfg: bool = opt(True, "apply CFG in the training forward when guidance_scale > 1")
     mixed_precision: str = opt("no", "autocast of the transformer's forward; latents, SDE maths and trainable weights "
                                "stay fp32", choices=["no", "fp16", "bf16"])
@@ -373,7 +376,9 @@ _EXPECTED = {"int": "an integer", "bool": "true or false", "float": "a number", 
 def _one_line(exc: ValidationError, cls, prefix: str) -> ConfigError:
     """The first problem pydantic found, as the one line flowrl prints (the key, what was wrong, what to write)."""
     err = exc.errors(include_url=False)[0]
-    loc = err["loc"]  # ('train', 'lr') or ('rewards', 0, 'name') -> train.lr, rewards[0].name
+    # ('train', 'lr') or ('rewards', 0, 'name') -> train.lr, rewards[0].name; a union's branch tags dropped
+    loc = tuple(p for p in err["loc"] if isinstance(p, int) or not (p.startswith(("constrained-", "literal[")) or
+                                                                   p in ("int", "str", "float", "bool")))
     key = prefix
     for part in loc:
         key += f"[{part}]" if isinstance(part, int) else (f".{part}" if key else str(part))
@@ -396,6 +401,8 @@ def _one_line(exc: ValidationError, cls, prefix: str) -> ConfigError:
     if kind == "list_type":
         return ConfigError(f"{key}: expected {_type_name(field.annotation) if field else 'a list'}, got {value!r}")
     base = kind.split("_")[0]
+    if key.endswith("micro_batch"):  # the one field that is a number or a word
+        return ConfigError(f"{key}: expected a whole number of at least 1 or auto, got {value!r}")
     return ConfigError(f"{key}: expected {_EXPECTED.get(base, base)}, got {value!r}")
 
 

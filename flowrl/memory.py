@@ -222,7 +222,7 @@ def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
     scale = heads_full / heads
     t = cfg.train
     cfg_double = 2 if (t.cfg and cfg.sampler.guidance_scale > 1 and cfg.model.family in ("sd3", "qwenimage", "wan")) else 1
-    rows = t.micro_batch * cfg_double
+    rows = (1 if t.micro_batch == "auto" else t.micro_batch) * cfg_double
     precision = 0.5 if t.mixed_precision in ("bf16", "fp16") else 1.0
     if t.gradient_checkpointing:
         tokens = math.prod(shape[1:]) // 4 + text_tokens  # each block's saved input: (tokens, width), upper bound
@@ -259,6 +259,39 @@ def estimate(cfg, world_sizes: list[int], fsdp: bool | None = None, shard_size: 
             "assumptions": notes + ["weights: trained fp32 masters, frozen in model.dtype; AdamW: two fp32 moments; "
                                     "not counted: the text encoders and VAE (held outside the sharded module), CUDA "
                                     "context and allocator slack"]}
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory a process may fill: the GPU's total memory, or the host's available memory (MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        with open("/proc/meminfo") as fh:
+            info = dict(line.split(":", 1) for line in fh)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 8 * GIB
+
+
+def auto_micro_batch(cfg, device: torch.device, world: int, headroom: float = 0.8, most: int = 256) -> tuple[int, dict]:
+    """The largest micro-batch whose estimated per-process memory (state + activations per input x inputs) fits in
+    ``headroom`` of the device's memory; (micro-batch, the numbers it came from). One line when not even one fits."""
+    from .errors import ConfigError
+
+    arch = architecture(cfg.model)
+    cfg1 = cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch": 1})})
+    per_input, _ = activation_bytes(cfg1, arch)
+    shards = (cfg.train.fsdp.shard_size or world) if cfg.train.fsdp.enabled else 1
+    state = sum(state_bytes(cfg, arch, min(shards, world))[0].values())
+    budget = available_bytes(device) * headroom
+    fits = int((budget - state) // per_input) if per_input > 0 else most
+    if fits < 1:
+        raise ConfigError(f"train.micro_batch=auto: not even one input fits: {state / GIB:.1f} GiB of weights and "
+                          f"optimizer state plus {per_input / GIB:.1f} GiB of activations per input against "
+                          f"{budget / GIB:.1f} GiB; enable train.gradient_checkpointing or train.fsdp")
+    chosen = min(fits, most)
+    return chosen, {"micro_batch": chosen, "budget_gib": budget / GIB, "state_gib": state / GIB,
+                    "activations_per_input_gib": per_input / GIB, "device": str(device)}
 
 
 def format_table(result: dict) -> str:

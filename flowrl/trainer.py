@@ -121,6 +121,8 @@ class Trainer:
         if self.procs.is_main:  # one process writes the run folder
             self.folder.open(cfg, self.start_iteration if resume_ckpt is not None else None,
                              self.accelerator if cfg.log.trackers else None)
+        if cfg.train.micro_batch == "auto":
+            cfg.train.micro_batch = self._auto_micro_batch(resume_ckpt is not None)
         self.procs.barrier()
         self.callbacks = ([MetricsWriter()] + ([HeldOutMonitor(evaluator, cfg)] if evaluator is not None else [])
                           + [RewardCurvePlot()] + ([TrackerLog()] if cfg.log.trackers else []))
@@ -130,6 +132,20 @@ class Trainer:
         if rows:
             self.work = {k: rows[-1].get(k, 0) for k in self.work}
         self._stop_signal = None
+
+    def _auto_micro_batch(self, resuming: bool) -> int:
+        """``train.micro_batch=auto``: the micro-batch chosen when the run started (micro_batch.json in the run
+        folder), or, on a new run, the largest that flowrl memory's estimate fits in the device's memory."""
+        path = self.run_dir / "micro_batch.json"
+        if resuming and path.is_file():
+            return int(json.loads(path.read_text())["micro_batch"])
+        from .memory import auto_micro_batch
+
+        chosen, why = auto_micro_batch(self.cfg, self.device, self.procs.processes)
+        chosen = self.procs.broadcast(chosen)  # the main process's choice on every process
+        if self.procs.is_main:
+            report.atomic_write_bytes(path, json.dumps({**why, "micro_batch": chosen}, indent=1).encode())
+        return chosen
 
     # ------------------------------------------------------------------------------------------ the loop
     def train(self) -> Path:
@@ -203,7 +219,7 @@ class Trainer:
             "nfe_rollout": tree.nfe, "transformer_calls_rollout": tree.transformer_calls,
             "leaves": leaves, **{f"plan/{k}": v for k, v in plan.accounting().items()},
             **{f"plan/{k}": v for k, v in plan.notes.items()},
-            "seconds_train": t3 - t2, "peak_memory_mb": peak_memory_mb(self.device), **self.policy.memory_mb(),
+            "micro_batch": cfg.train.micro_batch, "seconds_train": t3 - t2, "peak_memory_mb": peak_memory_mb(self.device), **self.policy.memory_mb(),
             **rates(self.meter.take(), {"rollout": timing["seconds_rollout"], "update": t3 - t2}, leaves,
                     self.procs.processes, self.peak_tflops),
             **self.work,

@@ -90,3 +90,25 @@ def test_gpu_check_tiny_runs_every_stage_on_a_cpu(tmp_path):
     assert "| bench-flux1 | ok |" in table and "## tiny-main-job" in table
     again = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
     assert again.returncode != 0 and "already holds a gpu_check.json" in again.stderr
+
+
+def test_auto_micro_batch_is_chosen_once_and_kept_on_resume(tmp_path):
+    """train.micro_batch=auto: the largest micro-batch that flowrl memory's estimate fits, written to the run folder
+    and logged; a resume takes the folder's value (even where the machine would now choose another)."""
+    from flowrl.memory import auto_micro_batch
+    from flowrl.trainer import Trainer
+
+    common = ["train.prompts_per_iter=2", f"log.output_dir={tmp_path}", "log.run_name=auto", "log.sample_every=0",
+              "log.progress=false", "train.micro_batch=auto"]
+    Trainer(load_config("configs/tiny_flow_grpo.yaml", [*common, "train.iterations=1"])).train()
+    saved = json.loads((tmp_path / "auto/micro_batch.json").read_text())
+    cfg = load_config("configs/tiny_flow_grpo.yaml", common)
+    expected, _ = auto_micro_batch(cfg, torch.device("cpu"), 1)
+    assert saved["micro_batch"] == expected >= 1
+    first = json.loads((tmp_path / "auto/metrics.jsonl").read_text().splitlines()[0])
+    assert first["micro_batch"] == expected
+    # the folder's choice wins on resume: make it differ from what the estimate gives now
+    (tmp_path / "auto/micro_batch.json").write_text(json.dumps({**saved, "micro_batch": 3}))
+    Trainer(load_config("configs/tiny_flow_grpo.yaml", [*common, "train.iterations=2", "resume=latest"])).train()
+    rows = [json.loads(line) for line in (tmp_path / "auto/metrics.jsonl").read_text().splitlines()]
+    assert [r["micro_batch"] for r in rows] == [expected, 3]
