@@ -361,7 +361,13 @@ def _unknown(key: str, cls, prefix: str) -> ConfigError:
 
 def _type_name(tp) -> str:
     if typing.get_origin(tp) is typing.Union:
-        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None)) + " or null"
+        args = typing.get_args(tp)
+        names = " or ".join(_type_name(a) for a in args if a is not type(None))
+        return names + (" or null" if type(None) in args else "")
+    if typing.get_origin(tp) is typing.Annotated:
+        return _type_name(typing.get_args(tp)[0])
+    if typing.get_origin(tp) is typing.Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
     if typing.get_origin(tp) is dict:

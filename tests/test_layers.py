@@ -19,10 +19,10 @@ SOURCES = {"flowrl": ROOT / "flowrl", "flowrl.rewards": ROOT / "rewards", "flowr
 LAYERS = [
     ("cli", ["flowrl.cli", "flowrl.__main__"]),
     ("shapes demo (leaf)", ["flowrl.shapes", "flowrl.shapes.*"]),
-    ("eval / bench", ["flowrl.evaluate", "flowrl.bench", "flowrl.gpu_bench", "flowrl.memory", "flowrl.gpu_check"]),
+    ("eval / bench", ["flowrl.evaluate", "flowrl.bench", "flowrl.gpu_bench", "flowrl.gpu_check"]),
     ("train", ["flowrl.trainer", "flowrl.callbacks", "flowrl.optimise", "flowrl.rollout_runner", "flowrl.policy",
                "flowrl.checkpoint", "flowrl.sharded_checkpoint", "flowrl.rundir", "flowrl.distributed",
-               "flowrl.sharding", "flowrl.throughput"]),
+               "flowrl.sharding", "flowrl.throughput", "flowrl.memory"]),
     ("algorithms", ["flowrl.algorithms", "flowrl.algorithms.*"]),
     ("objectives / losses / advantages", ["flowrl.objectives", "flowrl.advantages", "flowrl.losses", "flowrl.trees", "flowrl.chunks", "flowrl.trackers"]),
     ("rewards / rollout / prompts", ["flowrl.rewards", "flowrl.rewards.*", "flowrl.engine", "flowrl.sampling",
