@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .memory import FLUX1_DEV, SD35_MEDIUM  # the published architecture configs, without weights
+from .memory import FLUX1_DEV, QWEN_IMAGE, SD35_MEDIUM, WAN21_1_3B  # the published architecture configs
 from .models.common import PromptEmbeds
 from .sampling import peak_memory_mb, synchronize
 
@@ -29,9 +29,21 @@ TINY = {"sd35m": dict(SD35_MEDIUM, num_layers=2, attention_head_dim=16, num_atte
                       dual_attention_layers=(0,)),
         "flux1": dict(FLUX1_DEV, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
                       joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))}
-TEXT_TOKENS = {"sd35m": 333, "flux1": 512}  # CLIP 77 x 2 padded + T5 256 (SD3); T5 512 (FLUX.1-dev)
+TINY.update({"qwen": dict(QWEN_IMAGE, num_layers=1, num_attention_heads=2, attention_head_dim=32,
+                          joint_attention_dim=32, axes_dims_rope=(8, 12, 12)),
+             "wan13": dict(WAN21_1_3B, num_layers=1, num_attention_heads=2, attention_head_dim=32, ffn_dim=64,
+                           text_dim=32, freq_dim=32)})
+REAL = {"sd35m": SD35_MEDIUM, "flux1": FLUX1_DEV, "qwen": QWEN_IMAGE, "wan13": WAN21_1_3B}
+CLASSES = {"sd35m": "SD3Transformer2DModel", "flux1": "FluxTransformer2DModel", "qwen": "QwenImageTransformer2DModel",
+           "wan13": "WanTransformer3DModel"}
+ADAPTER_FAMILY = {"qwen": "qwenimage", "wan13": "wan"}  # families called through their adapter's transformer call
+# CLIP 77 x 2 padded + T5 256 (SD3); T5 512 (FLUX.1-dev); a typical Qwen2.5-VL prompt; UMT5 padded to 512 (Wan)
+TEXT_TOKENS = {"sd35m": 333, "flux1": 512, "qwen": 256, "wan13": 512}
+WAN_FRAMES = 9  # 3 latent frames (the 4x temporal VAE)
 LORA_TARGETS = {"sd35m": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"],
-                "flux1": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]}
+                "flux1": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"],
+                "qwen": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"],
+                "wan13": ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0"]}
 
 
 @dataclass
@@ -43,10 +55,20 @@ class BenchModel:
     dtype: torch.dtype
 
     def latent_shape(self, px: int) -> tuple[int, ...]:
-        return (16, px // 8, px // 8)  # both families: a 16-channel VAE at 8x
+        if self.family == "wan13":  # (C, latent frames, h, w)
+            return (16, (WAN_FRAMES - 1) // 4 + 1, px // 8, px // 8)
+        return (16, px // 8, px // 8)  # a 16-channel VAE at 8x
 
     def velocity(self, x, sigma, cond: PromptEmbeds, guidance_scale: float = 1.0, negative=None):
         tr = self.transformer
+        if self.family in ADAPTER_FAMILY:  # the family adapter's own transformer call, without a pipeline
+            from .models import ADAPTERS
+
+            cls = ADAPTERS[ADAPTER_FAMILY[self.family]]
+            shell = cls.__new__(cls)
+            shell.transformer, shell.dtype, shell.device, shell.boundary = tr, self.dtype, self.device, None
+            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+                return shell._forward(x, sigma, cond).float()
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
             if self.family == "sd35m":
                 out = tr(hidden_states=x, encoder_hidden_states=cond.embeds, pooled_projections=cond.pooled,
@@ -64,11 +86,11 @@ class BenchModel:
 
 
 def build(family: str, device: torch.device, tiny: bool, lora_rank: int = 32) -> BenchModel:
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+    import diffusers
     from peft import LoraConfig
 
-    cfg = (TINY if tiny else {"sd35m": SD35_MEDIUM, "flux1": FLUX1_DEV})[family]
-    cls = SD3Transformer2DModel if family == "sd35m" else FluxTransformer2DModel
+    cfg = (TINY if tiny else REAL)[family]
+    cls = getattr(diffusers, CLASSES[family])
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     with torch.device(device):
         tr = cls(**cfg).to(dtype)  # frozen base weights in bf16 on the accelerator
@@ -85,8 +107,9 @@ def _cond(model: BenchModel, n: int, tiny: bool) -> PromptEmbeds:
     tr = model.transformer.config
     tokens = 16 if tiny else TEXT_TOKENS[model.family]
     g = torch.Generator().manual_seed(0)
-    embeds = torch.randn(n, tokens, tr.joint_attention_dim, generator=g).to(model.device)
-    pooled = torch.randn(n, tr.pooled_projection_dim, generator=g).to(model.device)
+    text_dim = tr.get("joint_attention_dim") or tr.get("text_dim")
+    embeds = torch.randn(n, tokens, text_dim, generator=g).to(model.device)
+    pooled = torch.randn(n, tr.get("pooled_projection_dim") or 0, generator=g).to(model.device)
     return PromptEmbeds(embeds, pooled)
 
 

@@ -6,9 +6,10 @@ H200. It writes ``gpu_check.json`` (every stage's status, seconds, rows or error
 as tables) into ``--out``. ``--tiny`` runs the same stages on a CPU with shrunken models (the test suite does).
 
 Stages:
-- ``bench-sd35m``, ``bench-flux1``: ``flowrl bench-gpu``'s LoRA update step (fused / unfused AdamW, gradient
-  checkpointing) and flat / tree rollouts at 512 and 1024 px on the published architectures (random weights),
-  with measured FLOPs and MFU;
+- ``bench-sd35m``, ``bench-flux1``, ``bench-qwen-image``, ``bench-wan21-1.3b``: ``flowrl bench-gpu``'s LoRA update
+  step (fused / unfused AdamW, gradient checkpointing) and flat / tree rollouts on the published architectures
+  (random weights; SD3.5-M and FLUX.1 at 512 and 1024 px, Qwen-Image at 512, Wan 2.1 at 256 px x 9 frames), with
+  measured FLOPs and MFU;
 - ``fsdp-world1``: a short sharded run (``train.fsdp.enabled=true``) of the tiny model on the device, its peak
   memory beside ``flowrl memory``'s estimate for the same config;
 - ``gpu-tests``: the GPU-marked tests (``pytest -m gpu``);
@@ -25,13 +26,18 @@ import tempfile
 import time
 from pathlib import Path
 
-STAGES = {  # name -> seconds allowed on the GPU (the tiny CPU check shares them)
-    "bench-sd35m": 120,
-    "bench-flux1": 120,
-    "fsdp-world1": 75,
-    "gpu-tests": 75,
-    "tiny-main-job": 75,
+STAGES = {  # name -> seconds allowed on the GPU (the tiny CPU check shares them); about 8 minutes in all
+    "bench-sd35m": 95,
+    "bench-flux1": 95,
+    "bench-qwen-image": 95,
+    "bench-wan21-1.3b": 70,
+    "fsdp-world1": 45,
+    "gpu-tests": 35,
+    "tiny-main-job": 45,
 }
+# per benchmark stage: the family's layout, its resolutions and the prompts of its rollouts (16 chains each)
+BENCH = {"bench-sd35m": ("sd35m", (512, 1024), 2), "bench-flux1": ("flux1", (512, 1024), 2),
+         "bench-qwen-image": ("qwen", (512,), 1), "bench-wan21-1.3b": ("wan13", (256,), 1)}
 
 
 def _stage_command(name: str, tiny: bool, out: Path) -> list[str]:
@@ -94,16 +100,18 @@ def markdown(report: dict) -> str:
 # ------------------------------------------------------------------------------------------ the stages
 def run_stage(name: str, tiny: bool, out: Path) -> None:
     """One stage, in this process; its result as JSON at ``out``."""
-    result = {"bench-sd35m": lambda: _bench("sd35m", tiny), "bench-flux1": lambda: _bench("flux1", tiny),
-              "fsdp-world1": lambda: _fsdp(tiny), "gpu-tests": lambda: _gpu_tests(tiny),
-              "tiny-main-job": lambda: _main_job(tiny)}[name]()
+    if name in BENCH:
+        result = _bench(*BENCH[name], tiny)
+    else:
+        result = {"fsdp-world1": _fsdp, "gpu-tests": _gpu_tests, "tiny-main-job": _main_job}[name](tiny)
     out.write_text(json.dumps(result))
 
 
-def _bench(family: str, tiny: bool) -> dict:
+def _bench(family: str, resolutions: tuple[int, ...], prompts: int, tiny: bool) -> dict:
     from .gpu_bench import run_gpu_bench
 
-    rows = run_gpu_bench((family,), (32, 64) if tiny else (512, 1024), tiny=tiny, emit=lambda line: None, compiled=False)
+    rows = run_gpu_bench((family,), (32,) * len(resolutions) if tiny else resolutions, prompts=prompts, tiny=tiny,
+                         emit=lambda line: None, compiled=False)
     return {"rows": rows}
 
 
