@@ -131,7 +131,8 @@ def _fsdp(tiny: bool) -> dict:
     from .config import load_config
     from .memory import estimate
 
-    config = ["configs/tiny_flow_grpo.yaml", "train.iterations=2", "train.fsdp.enabled=true", "train.prompts_per_iter=2"]
+    config = ["configs/tiny_flow_grpo.yaml", f"train.iterations={1 if tiny else 3}", "train.fsdp.enabled=true",
+              "train.prompts_per_iter=2"]
     run = _train(config, tiny)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     predicted = estimate(load_config(config[0], config[1:]), [1])["per_process_gib"][0]
@@ -158,7 +159,7 @@ def _gpu_tests(tiny: bool) -> dict:
 
 
 def _main_job(tiny: bool) -> dict:
-    run = _train(["configs/tiny_shapes_flow_grpo.yaml", f"train.iterations={2 if tiny else 10}",
+    run = _train(["configs/tiny_shapes_flow_grpo.yaml", f"train.iterations={1 if tiny else 10}",
                   "sampler.noise_device=device", "log.eval=none", "log.save_every=0"], tiny)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     keep = ("iteration", "reward_mean/total", "seconds_rollout", "seconds_train", "tflops_rollout", "tflops_update",

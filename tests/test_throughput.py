@@ -43,6 +43,7 @@ def test_peak_tflops_from_the_config_or_the_device_table():
     assert device_peak_tflops(torch.device("cpu"), 2.5) == 2.5
 
 
+@pytest.mark.slow  # about 20 s: six measured iterations (make test-slow)
 def test_bench_side_by_side_alternates_the_configs_and_reports_medians_spread_and_outside_shares(capsys):
     """`flowrl bench A B` on the tiny FLUX and tiny Wan presets: per config the share of each phase outside the
     transformer; the configs timed in turns over three rounds, with medians, spread and ratio ranges (printed,
