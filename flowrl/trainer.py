@@ -141,11 +141,11 @@ class Trainer:
             return int(json.loads(path.read_text())["micro_batch"])
         from .memory import auto_micro_batch
 
-        chosen, why = auto_micro_batch(self.cfg, self.device, self.procs.processes)
-        chosen = self.procs.broadcast(chosen)  # the main process's choice on every process
-        if self.procs.is_main:
-            report.atomic_write_bytes(path, json.dumps({**why, "micro_batch": chosen}, indent=1).encode())
-        return chosen
+        chosen = None
+        if self.procs.is_main:  # the main process chooses, and every process takes its choice
+            chosen, why = auto_micro_batch(self.cfg, self.device, self.procs.processes)
+            report.atomic_write_bytes(path, json.dumps(why, indent=1).encode())
+        return self.procs.broadcast(chosen)
 
     # ------------------------------------------------------------------------------------------ the loop
     def train(self) -> Path:
@@ -219,7 +219,8 @@ class Trainer:
             "nfe_rollout": tree.nfe, "transformer_calls_rollout": tree.transformer_calls,
             "leaves": leaves, **{f"plan/{k}": v for k, v in plan.accounting().items()},
             **{f"plan/{k}": v for k, v in plan.notes.items()},
-            "micro_batch": cfg.train.micro_batch, "seconds_train": t3 - t2, "peak_memory_mb": peak_memory_mb(self.device), **self.policy.memory_mb(),
+            "micro_batch": cfg.train.micro_batch, "seconds_train": t3 - t2,
+            "peak_memory_mb": peak_memory_mb(self.device), **self.policy.memory_mb(),
             **rates(self.meter.take(), {"rollout": timing["seconds_rollout"], "update": t3 - t2}, leaves,
                     self.procs.processes, self.peak_tflops),
             **self.work,
