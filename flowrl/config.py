@@ -407,8 +407,8 @@ def _one_line(exc: ValidationError, cls, prefix: str) -> ConfigError:
     if kind == "list_type":
         return ConfigError(f"{key}: expected {_type_name(field.annotation) if field else 'a list'}, got {value!r}")
     base = kind.split("_")[0]
-    if key.endswith("micro_batch"):  # the one field that is a number or a word
-        return ConfigError(f"{key}: expected a whole number of at least 1 or auto, got {value!r}")
+    if field is not None and any(typing.get_origin(a) is typing.Literal for a in typing.get_args(field.annotation)):
+        return ConfigError(f"{key}: expected {_type_name(field.annotation)}, got {value!r}")  # a number or a word
     return ConfigError(f"{key}: expected {_EXPECTED.get(base, base)}, got {value!r}")
 
 
