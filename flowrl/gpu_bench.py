@@ -53,6 +53,7 @@ class BenchModel:
     transformer: torch.nn.Module
     device: torch.device
     dtype: torch.dtype
+    _shell: object = None  # Qwen-Image, Wan: the family adapter's transformer call, built on first use
 
     def latent_shape(self, px: int) -> tuple[int, ...]:
         if self.family == "wan13":  # (C, latent frames, h, w)
@@ -64,11 +65,10 @@ class BenchModel:
         if self.family in ADAPTER_FAMILY:  # the family adapter's own transformer call, without a pipeline
             from .models import ADAPTERS
 
-            cls = ADAPTERS[ADAPTER_FAMILY[self.family]]
-            shell = cls.__new__(cls)
-            shell.transformer, shell.dtype, shell.device, shell.boundary = tr, self.dtype, self.device, None
+            if self._shell is None:
+                self._shell = ADAPTERS[ADAPTER_FAMILY[self.family]].bare(tr, self.dtype, self.device)
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-                return shell._forward(x, sigma, cond).float()
+                return self._shell._forward(x, sigma, cond).float()
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
             if self.family == "sd35m":
                 out = tr(hidden_states=x, encoder_hidden_states=cond.embeds, pooled_projections=cond.pooled,

@@ -177,9 +177,7 @@ def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
     counts = _block_counts(arch)
     cls = getattr(diffusers, arch.class_name)
     adapter_cls = ADAPTERS[cfg.model.family]
-    shell = adapter_cls.__new__(adapter_cls)  # the family's own transformer call, without a pipeline
-    shell.dtype, shell.device = torch.float32, torch.device("cpu")
-    shell.guidance, shell.boundary = getattr(adapter_cls, "guidance", 1.0), None
+    shell = adapter_cls.bare(None, torch.float32, "cpu")  # the family's own transformer call, without a pipeline
     res = cfg.model.resolution
     channels = c.get("in_channels", 16)
     if cfg.model.family == "flux" or cfg.model.family == "flux2":

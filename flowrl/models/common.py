@@ -131,6 +131,14 @@ class PipelineAdapter:
         out = getattr(tiny_models, cls.tiny_builder)(tiny, seed=tiny.init_seed)
         return out if isinstance(out, tuple) else (out, {})
 
+    @classmethod
+    def bare(cls, transformer, dtype: torch.dtype, device: torch.device) -> "PipelineAdapter":
+        """This family's transformer call (:meth:`_forward`) around ``transformer``, without a pipeline (no
+        encoders, no VAE): for benchmarks and memory estimates on random-weight or narrowed models."""
+        shell = cls.__new__(cls)
+        shell.transformer, shell.dtype, shell.device, shell.boundary = transformer, dtype, torch.device(device), None
+        return shell
+
     family_options: tuple[str, ...] = ()  # settings read from the ``model`` config section of the same name
 
     @classmethod
