@@ -390,9 +390,14 @@ def cmd_serve_reward(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="flowrl", description="GRPO fine-tuning of flow-matching models.")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="fine-tune with a config file and key.sub=value overrides")
-    t.add_argument("config", nargs="?", help="YAML config (defaults: the tiny model, JPEG reward)")
-    t.add_argument("overrides", nargs="*", help="overrides such as train.lr=1e-4 algorithm.group_size=8")
+    t = sub.add_parser("train", help="fine-tune with a config file and key.sub=value overrides",
+                       epilog="Every config key, its type, default, range and meaning: `flowrl config explain KEY` "
+                              "(e.g. flowrl config explain train.kl_beta; a section such as `train` lists its keys), "
+                              "`flowrl config schema` for all of them, `flowrl presets` for the shipped configs.")
+    t.add_argument("config", nargs="?", help="YAML config or a shipped preset's file name (defaults: the tiny "
+                   "model, JPEG reward)")
+    t.add_argument("overrides", nargs="*", help="key.sub=value overrides such as train.lr=1e-4 "
+                   "algorithm.group_size=8 rewards[0].name=clip")
     t.set_defaults(func=cmd_train)
     s = sub.add_parser("sample", help="grid of prompts x seeds from the base model, or base | checkpoint side by side")
     s.add_argument("config", nargs="?")
@@ -404,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt", action="append", help="prompt (repeatable); default: the config's sample prompts")
     s.add_argument("--seeds", help="comma-separated seeds")
     s.add_argument("--steps", type=int, help="ODE steps (default sampler.eval_num_steps)")
-    s.add_argument("--out", default="samples.png")
+    s.add_argument("--out", default="samples.png", help="the grid image (PNG; a video model also writes .gif and .mp4)")
     s.set_defaults(func=cmd_sample)
     x = sub.add_parser("export", help="a run's weights as diffusers files: the LoRA file (load_lora_weights) or the "
                        "full transformer folder (from_pretrained), gathered from a sharded checkpoint")
@@ -425,11 +430,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="reward or held-out curves of several runs (seed bands), PNG, CSV and a "
                          "summary: final values and what each run spent to reach the first run's final value")
     c.add_argument("runs", nargs="+", help="run directories")
-    c.add_argument("--x", default="iteration", choices=["iteration", "nfe", "rollouts", "time"])
+    c.add_argument("--x", default="iteration", choices=["iteration", "nfe", "rollouts", "time"],
+                   help="the x axis: iterations, transformer evaluations, leaves rolled out or training seconds")
     c.add_argument("--metric", default="reward_mean/total",
                    help="a logged metric, or heldout/all / heldout/reward (the log.eval_every curve)")
     c.add_argument("--smoothing", type=positive_int, default=1, help="moving-average window in points (>= 1)")
-    c.add_argument("--out", default="compare")
+    c.add_argument("--out", default="compare", help="folder for the PNG, CSV and summary")
     c.add_argument("--band", choices=["minmax", "se"], default="minmax",
                    help="seed band: min-max, or +-1 standard error of the mean")
     c.set_defaults(func=cmd_compare)
@@ -461,8 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
     bg = sub.add_parser("bench-gpu", help="SD3.5-Medium- and FLUX.1-sized transformers (random weights, real configs): "
                         "LoRA GRPO update step and flat / tree rollouts; time, images/s, TFLOP/s, MFU, peak memory")
-    bg.add_argument("--families", nargs="+", default=["sd35m", "flux1"], choices=["sd35m", "flux1", "qwen", "wan13"])
-    bg.add_argument("--resolutions", nargs="+", type=positive_int, default=[512, 1024])
+    bg.add_argument("--families", nargs="+", default=["sd35m", "flux1"], choices=["sd35m", "flux1", "qwen", "wan13"],
+                    help="architectures to build (SD3.5-M, FLUX.1-dev, Qwen-Image, Wan 2.1 1.3B)")
+    bg.add_argument("--resolutions", nargs="+", type=positive_int, default=[512, 1024], help="image sides in pixels")
     bg.add_argument("--batch", type=positive_int, default=4, help="edges per update step")
     bg.add_argument("--prompts", type=positive_int, default=2, help="prompts per rollout (16 leaves each)")
     bg.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense bf16 peak (H100/H200 SXM: 989)")
@@ -479,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="heldout or train: the captions the config's evaluator (log.eval) holds out or trains on; or "
                         "a prompt set by name")
     e.add_argument("--seeds", help="comma-separated seeds (default log.eval_seeds)")
-    e.add_argument("--steps", type=int)
+    e.add_argument("--steps", type=int, help="ODE steps (default sampler.eval_num_steps)")
     e.add_argument("--cfg", type=float, help="guidance scale (default sampler.guidance_scale)")
     e.add_argument("--prompts", help="prompt file (.txt one per line, or .jsonl with 'prompt' and metadata): "
                    "print the reward table instead of the held-out evaluation")
@@ -491,20 +498,58 @@ def build_parser() -> argparse.ArgumentParser:
     ps.set_defaults(func=cmd_presets)
     cf = sub.add_parser("config", help="config reference: `schema` prints the JSON Schema of config files (for editors), "
                                        "`explain KEY` a key's type, default, range and description")
-    cf.add_argument("action", choices=["schema", "explain"])
+    cf.add_argument("action", choices=["schema", "explain"], help="schema: the JSON Schema; explain: one key or section")
     cf.add_argument("key", nargs="?", help="explain: a dotted key such as train.kl_beta")
     cf.set_defaults(func=cmd_config)
     sr = sub.add_parser("serve-reward", help="serve a reward over HTTP (POST /score) for the `remote` reward")
     sr.add_argument("name", help="registered reward name or module:function")
     sr.add_argument("--args", help="the reward's keyword arguments as a JSON object")
-    sr.add_argument("--host", default="127.0.0.1")
+    sr.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 serves other machines)")
     sr.add_argument("--port", type=int, default=8765, help="0 picks a free port (printed on the first line)")
     sr.add_argument("--max-mb", type=float, default=64.0, help="largest request body accepted, in MiB")
     sr.set_defaults(func=cmd_serve_reward)
 
     for name in sorted(COMMANDS):  # commands that plug-ins register (the tiny demo's pretraining among them)
         resolve(COMMANDS, name, "command")(sub)
+    for sp in sub.choices.values():  # the positional arguments every config-taking command shares
+        for action in sp._actions:
+            if action.help is None and action.dest in _SHARED_HELP:
+                action.help = _SHARED_HELP[action.dest]
     return p
+
+
+_SHARED_HELP = {"config": "YAML config, or a shipped preset's file name (`flowrl presets`)",
+                "overrides": "key.sub=value overrides applied after the file (`flowrl config explain KEY`)"}
+
+
+def cli_reference_markdown() -> str:
+    """Every subcommand with its purpose, usage line and options, as Markdown, read from the parser itself.
+
+    Returns:
+        Markdown with one ``###`` heading per subcommand (including those plug-ins register).
+    """
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {c.dest: c.help for c in sub._choices_actions}
+    out = []
+    for name, sp in sub.choices.items():
+        usage = " ".join(sp.format_usage().split())[len("usage: "):]
+        out += [f"### `flowrl {name}`", "", (helps.get(name) or "").rstrip(".") + ".", "", "```text", usage, "```", ""]
+        rows = []
+        for action in sp._actions:
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+                continue
+            names = ", ".join(action.option_strings) or action.dest
+            default = "" if action.default in (None, argparse.SUPPRESS, False) or not action.option_strings \
+                else f"`{action.default}`"
+            choices = ", ".join(map(str, action.choices)) if action.choices else ""
+            text = (action.help or "").replace("|", "\\|")
+            rows.append(f"| `{names}` | {default} | {choices} | {text} |")
+        if rows:
+            out += ["| argument | default | choices | meaning |", "|---|---|---|---|", *rows, ""]
+        if sp.epilog:
+            out += [sp.epilog, ""]
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,13 +83,13 @@ def _expects_number(tp) -> bool:
 class TinyModelConfig(Section):
     resolution: int = opt(16, "image size in pixels", lo=8)
     vae: bool = opt(False, "build a tiny AutoencoderKL (latent space) instead of pixel space")
-    patch_size: int = opt(2, lo=1)
-    num_layers: int = opt(2, lo=1)
-    num_attention_heads: int = opt(2, lo=1)
-    attention_head_dim: int = opt(32, lo=8)
+    patch_size: int = opt(2, "pixels (or latent cells) per token side", lo=1)
+    num_layers: int = opt(2, "transformer blocks", lo=1)
+    num_attention_heads: int = opt(2, "attention heads per block", lo=1)
+    attention_head_dim: int = opt(32, "width of one attention head", lo=8)
     text_hidden: int = opt(32, "hidden size of each tiny CLIP text encoder", lo=8)
-    text_projection: int = opt(32, lo=8)
-    text_layers: int = opt(2, lo=1)
+    text_projection: int = opt(32, "width of the text encoders' pooled projection", lo=8)
+    text_layers: int = opt(2, "layers of each tiny text encoder", lo=1)
     max_tokens: int = opt(16, "tokenizer length of the tiny text encoders", lo=4)
     shift: float = opt(1.0, "scheduler shift of the tiny model", lo=0.0, lo_open=True)
     init_seed: int = opt(0, "seed of the random initialisation")
@@ -163,7 +163,7 @@ class AlgorithmOptions(Section):
 class AdvantageConfig(Section):
     std: str = opt("group", "normalise by each group's std or the batch's", choices=["group", "global"])
     ddof: int = opt(0, "0 = numpy std (Flow-GRPO), 1 = torch.std (DanceGRPO)", lo=0, hi=1)
-    eps: float = opt(1e-4, lo=0.0)
+    eps: float = opt(1e-4, "added to the std before dividing (A = (r - mean) / (std + eps))", lo=0.0)
     clip: float = opt(5.0, "clip advantages to +-clip", lo=0.0, lo_open=True)
     zero_std_threshold: float = opt(1e-6, "groups with std below this count as zero-variance", lo=0.0)
     zero_variance: str = opt("zero", "what zero-variance groups get: zero advantage (kept, no gradient), global "
@@ -182,15 +182,15 @@ class AdvantageConfig(Section):
 
 class LoraConfig(Section):
     enabled: bool = opt(True, "LoRA through peft; false = full fine-tuning")
-    rank: int = opt(8, lo=1)
-    alpha: float = opt(16.0, lo=0.0, lo_open=True)
+    rank: int = opt(8, "LoRA rank r", lo=1)
+    alpha: float = opt(16.0, "LoRA alpha (the update is scaled by alpha / r)", lo=0.0, lo_open=True)
     targets: list[str] = opt([], "module names; empty = the model family's defaults")
 
 
 class EmaConfig(Section):
-    enabled: bool = opt(False)
-    decay: float = opt(0.9, lo=0.0, hi=1.0)
-    update_every: int = opt(1, lo=1)
+    enabled: bool = opt(False, "keep an exponential moving average of the trained weights")
+    decay: float = opt(0.9, "EMA <- decay EMA + (1 - decay) weights", lo=0.0, hi=1.0)
+    update_every: int = opt(1, "optimizer steps between EMA updates", lo=1)
 
 
 class ContextParallelConfig(Section):
@@ -220,10 +220,10 @@ class FSDPConfig(Section):
 class TrainConfig(Section):
     iterations: int = opt(30, "rollout + update iterations", lo=1)
     prompts_per_iter: int = opt(4, "distinct prompts (groups) per iteration", lo=1)
-    lr: float = opt(3e-4, lo=0.0, lo_open=True)
-    betas: list[float] = opt([0.9, 0.999])
-    weight_decay: float = opt(1e-4, lo=0.0)
-    adam_eps: float = opt(1e-8, lo=0.0, lo_open=True)
+    lr: float = opt(3e-4, "AdamW learning rate (constant)", lo=0.0, lo_open=True)
+    betas: list[float] = opt([0.9, 0.999], "AdamW betas, two numbers in [0, 1)")
+    weight_decay: float = opt(1e-4, "AdamW decoupled weight decay", lo=0.0)
+    adam_eps: float = opt(1e-8, "AdamW epsilon", lo=0.0, lo_open=True)
     clip_range: float = opt(1e-4, "PPO clip on the per-element-mean log-prob ratio", lo=0.0, lo_open=True)
     kl_beta: float = opt(0.0, "KL to the reference policy (train.kl_reference)", lo=0.0)
     grpo_guard: bool = opt(False, "GRPO-Guard: each edge's log-ratio centred and scaled by its transition std "
@@ -241,9 +241,9 @@ class TrainConfig(Section):
     kl_std: str = opt("transition", "std dividing the KL's mean difference: the transition's full std (ours), or "
                       "Flow-GRPO's std without the sqrt(|dt|) factor (so its published beta values carry over)",
                       choices=["transition", "flow_grpo"])
-    max_grad_norm: float = opt(1.0, lo=0.0, lo_open=True)
+    max_grad_norm: float = opt(1.0, "clip the gradient's global norm to this before each step", lo=0.0, lo_open=True)
     num_minibatches: int = opt(1, "optimizer steps per inner epoch (trained edges split evenly)", lo=1)
-    inner_epochs: int = opt(1, lo=1)
+    inner_epochs: int = opt(1, "passes over one iteration's rollouts (ratios move from 1 after the first)", lo=1)
     micro_batch: typing.Union[typing.Annotated[int, Field(ge=1)], typing.Literal["auto"]] = opt(
         64, "most parent states per forward/backward (gradient accumulation); auto: the largest that fits the "
         "device's memory by flowrl memory's estimate, chosen once and kept in the run folder (micro_batch.json), "
@@ -259,7 +259,8 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = opt(False, "recompute block activations in the backward (memory for time)")
     attention_backend: str = opt("native", "diffusers attention backend: native (PyTorch SDPA), xformers (the "
                                  "xformers extra), flash (flash-attn)", choices=["native", "xformers", "flash"])
-    log_prob_reduce: str = opt("mean", "mean over latent elements (the anchors' convention) or sum", choices=["mean", "sum"])
+    log_prob_reduce: str = opt("mean", "mean over latent elements (Flow-GRPO's and DanceGRPO's convention) or sum",
+                               choices=["mean", "sum"])
     lora: LoraConfig = Field(default_factory=LoraConfig)
     ema: EmaConfig = Field(default_factory=EmaConfig)
     peak_tflops: Optional[float] = opt(None, "the device's dense bf16 peak in TFLOP/s for the MFU in the metrics; "
@@ -267,12 +268,13 @@ class TrainConfig(Section):
                                        lo=0.0, lo_open=True)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
     context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
-    seed: int = opt(0)
+    seed: int = opt(0, "every random draw comes from a generator seeded by (seed, iteration)")
 
 
 class RewardSpec(Section):
     name: str = opt("jpeg_compressibility", "registered name or module:function")
-    weight: float = opt(1.0)
+    weight: float = opt(1.0, "the reward's weight in the sum (or in the sum of advantages with "
+                             "advantage.combine=per_reward)")
     args: dict[str, Any] = opt({}, "keyword arguments for the reward's constructor")
 
 
@@ -282,7 +284,7 @@ class DataConfig(Section):
     prompt_set: str = opt("none", "a registered prompt set instead of prompts/prompt_file (shapes-train, "
                           "shapes-heldout) or module:function")
     sample_prompts: list[str] = opt([], "prompts of the sample grids (default: the first training prompts)")
-    sample_seeds: list[int] = opt([0, 1, 2, 3])
+    sample_seeds: list[int] = opt([0, 1, 2, 3], "seeds of the sample grids written during training")
 
 
 class LogConfig(Section):
@@ -290,7 +292,8 @@ class LogConfig(Section):
     run_name: Optional[str] = opt(None, "run folder name (default: config name + time)")
     sample_every: int = opt(10, "iterations between sample grids (0 = only start and end)", lo=0)
     save_every: int = opt(10, "iterations between checkpoints (0 = only at the end)", lo=0)
-    keep_checkpoints: int = opt(2, lo=1)
+    keep_checkpoints: int = opt(2, "newest checkpoints kept in the run folder (older ones are deleted; "
+                                   "checkpoints/best stays)", lo=1)
     trackers: list[str] = opt([], "accelerate trackers: tensorboard, wandb")
     progress: bool = opt(True, "progress bars")
     eval: str = opt("none", "held-out evaluation before and after training: none, a registered evaluator (shapes) "
@@ -318,7 +321,7 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     resume: Optional[str] = opt(None, "'latest' or a checkpoint folder to resume from")
-    device: str = opt("auto", choices=["auto", "cpu", "cuda"])
+    device: str = opt("auto", "where to train: auto (cuda when available)", choices=["auto", "cpu", "cuda"])
 
     @field_validator("algorithm", mode="before")
     @classmethod
@@ -733,3 +736,74 @@ def explain(key: str) -> str:
     if field.description:
         lines.append(f"  {field.description}")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------- reference
+def reference_fields() -> list[tuple[str, str]]:
+    """Every leaf key a config file can set, as (table, dotted key): the sections' keys under their section
+    (``rewards[].name`` for list entries) and each registered algorithm's own options under ``algorithm
+    (<name>)``. The configuration reference prints exactly one row per entry."""
+    from .registry import ALGORITHMS, algorithm_class
+
+    rows: list[tuple[str, str]] = []
+
+    def walk(cls, prefix: str, table: str, nested_table: bool):
+        for name, f in cls.model_fields.items():
+            sub = _section_type(f.annotation)
+            if cls is Config and name == "algorithm":
+                continue
+            if sub is not None:
+                is_list = typing.get_origin(f.annotation) is list
+                key = f"{prefix}{name}{'[]' if is_list else ''}"
+                walk(sub, key + ".", key.replace("[]", "") if nested_table else table, nested_table)
+            else:
+                rows.append((table, f"{prefix}{name}"))
+
+    walk(Config, "", "top level", True)
+    for name in sorted(ALGORITHMS):  # an algorithm's sub-sections (a window) stay in its one table
+        walk(algorithm_class(name).Options, "algorithm.", f"algorithm ({name})", False)
+    return rows
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def reference_markdown(only_table: str | None = None) -> str:
+    """The configuration reference as Markdown: one table per section (and per algorithm), one row per key with
+    its type, default, range or choices and description, read from the schema itself, so it cannot drift.
+
+    Args:
+        only_table: one table's name (``train``, ``algorithm (branch_grpo)``); None for all of them.
+    Returns:
+        Markdown text with a ``###`` heading and a table per section.
+    """
+    from .registry import algorithm_class
+
+    out, current = [], None
+    for table, key in reference_fields():
+        if only_table is not None and table != only_table:
+            continue
+        if table != current:
+            current = table
+            if only_table is None:
+                out.append(f"\n### `{table}`\n" if table != "top level" else "\n### top level\n")
+            out += ["| key | type | default | range or choices | description |", "|---|---|---|---|---|"]
+        owner = Config
+        parts = key.replace("[]", "").split(".")  # rewards[].name -> rewards, name
+        if table.startswith("algorithm ("):
+            owner, parts = algorithm_class(table[len("algorithm ("):-1]).Options, parts[1:]
+        for part in parts[:-1]:
+            owner = _section_type(owner.model_fields[part].annotation)
+        field = owner.model_fields[parts[-1]]
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, list):
+            default = [d.model_dump() if isinstance(d, BaseModel) else d for d in default]
+        default_text = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+        choices = _choices(field)
+        bounds = [f"{sign} {getattr(m, attr)}" for m in field.metadata
+                  for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<=")) if hasattr(m, attr)]
+        limit = ", ".join(map(str, choices)) if choices is not None else " and ".join(bounds)
+        out.append(f"| `{key}` | {_cell(_type_name(field.annotation))} | `{_cell(default_text)}` | {_cell(limit)} | "
+                   f"{_cell(field.description or '')} |")
+    return "\n".join(out).lstrip("\n") + "\n"

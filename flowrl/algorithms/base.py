@@ -21,7 +21,8 @@ from ..errors import ConfigError
 class WindowOptions(Section):
     size: int = opt(0, "SDE window length in steps (0 = no window: the algorithm's own step rule); only the "
                        "window's steps are SDE and trained, ODE elsewhere", lo=0)
-    placement: str = opt("fixed", choices=["fixed", "random", "progressive"])
+    placement: str = opt("fixed", "fixed (at start), random (drawn each iteration) or progressive (moves by stride)",
+                         choices=["fixed", "random", "progressive"])
     start: int = opt(0, "first window step for fixed placement", lo=0)
     range_start: int = opt(0, "earliest window start (random / progressive)", lo=0)
     range_end: int = opt(-1, "window must end by this step (-1 = num_steps - 1)")

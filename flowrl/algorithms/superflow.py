@@ -25,8 +25,8 @@ class SuperFlowOptions(AlgorithmOptions):
     rho: float = opt(0.9, "tracker forgetting factor per visit", lo=0.0, hi=1.0)
     rho_mode: str = opt("constant", "constant rho, or SPO's KL-adaptive clip(2^(-D/d_half), rho_min, 0.96) with D "
                         "the last update's mean |log-prob change|", choices=["constant", "kl_adaptive"])
-    d_half: float = opt(0.06, lo=0.0, lo_open=True)
-    rho_min: float = opt(0.5, lo=0.0, hi=1.0)
+    d_half: float = opt(0.06, "KL-adaptive rho: the divergence at which rho halves", lo=0.0, lo_open=True)
+    rho_min: float = opt(0.5, "KL-adaptive rho: its lower bound", lo=0.0, hi=1.0)
     reward_range: list[float] = opt([0.0, 1.0], "rewards are mapped linearly from this range to [0, 1] and clamped")
     min_group: int = opt(4, "group size of the most certain prompts", lo=2)
     max_group: int = opt(8, "group size of the most uncertain prompts", lo=2)

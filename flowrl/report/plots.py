@@ -80,3 +80,64 @@ def plot_reward_curve(run_dir: Path) -> Path | None:
     out = run_dir / "reward_curve.png"
     save_figure(fig, out)
     return out
+
+
+def draw_plans(plans: list, path: str | Path, *, leaf_rewards: bool = True) -> Path:
+    """Draw one prompt's denoising tree for each rollout plan, side by side: a node per state, x = the denoising
+    index (sigma_0 = noise on the left), edges coloured by kind. SDE edges that are trained are solid red, SDE
+    edges that are not trained orange, ODE edges grey; side branches (one SDE step, possibly merged over several
+    indices, then ODE to the end) are drawn dashed.
+
+    Args:
+        plans: ``(title, plan)`` pairs; a plan needs ``steps`` (each with ``sde``, ``branch``, ``trained``,
+            ``side``, ``side_merge``) and ``roots_per_prompt``, as :class:`flowrl.samplers.plans.RolloutPlan` has.
+        path: the PNG to write.
+        leaf_rewards: mark the leaves (the states that are decoded and scored) with a filled dot.
+    Returns:
+        The written path.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"trained": "#d62728", "sde": "#ff7f0e", "ode": "#9a9a9a"}
+    fig, axes = plt.subplots(1, len(plans), figsize=(4.2 * len(plans), 3.6), squeeze=False)
+    for ax, (title, plan) in zip(axes[0], plans):
+        t = len(plan.steps)
+        main = [float(r) for r in range(plan.roots_per_prompt)]  # y positions of the main line's live nodes
+        side_lines = []
+        for i, step in enumerate(plan.steps):
+            kind = "trained" if step.trained else ("sde" if step.sde else "ode")
+            children = []
+            for y in main:
+                for b in range(step.branch):  # children spread around the parent, narrower deeper in the tree
+                    offset = (b - (step.branch - 1) / 2) * 2.0 ** (-i * 0.5) if step.branch > 1 else 0.0
+                    children.append(y + offset)
+                    ax.plot([i, i + 1], [y, y + offset], color=colours[kind], lw=1.6)
+                for _ in range(step.side):  # a side jump, then its ODE completion to the end, each on its row
+                    yy = -0.5 * (len(side_lines) + 1)
+                    j = i + step.side_merge
+                    ax.plot([i, j], [y, yy], color=colours["trained"], lw=1.3, ls="--")
+                    if j < t:
+                        ax.plot([j, t], [yy, yy], color=colours["ode"], lw=1.0, ls="--")
+                    side_lines.append((t, yy))
+            main = children
+            ax.scatter([i + 1] * len(children), children, s=6, color="black", zorder=3)
+        leaves = [(t, y) for y in main] + side_lines
+        if leaf_rewards and leaves:
+            ax.scatter(*zip(*leaves), s=22, color="#1f77b4", zorder=4)
+        ax.scatter([0] * plan.roots_per_prompt, range(plan.roots_per_prompt), s=22, color="black", zorder=4)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("denoising index (noise -> image)")
+        ax.set_yticks([])
+        ax.set_xticks(range(t + 1))
+    handles = [plt.Line2D([], [], color=colours["trained"], lw=2, label="SDE, trained"),
+               plt.Line2D([], [], color=colours["sde"], lw=2, label="SDE, not trained"),
+               plt.Line2D([], [], color=colours["ode"], lw=2, label="ODE"),
+               plt.Line2D([], [], color=colours["trained"], lw=1.3, ls="--", label="side branch (jump, then ODE)"),
+               plt.Line2D([], [], marker="o", color="#1f77b4", lw=0, label="leaf: decoded and scored")]
+    fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    save_figure(fig, Path(path))
+    return Path(path)
