@@ -37,10 +37,32 @@ def fill(name: str, arg: str | None) -> str:
     if name == "cli-reference":
         return cli_reference_markdown()
     if name == "changelog":
-        return (ROOT / "CHANGELOG.md").read_text().split("\n", 1)[1]  # without its own title
+        text = (ROOT / "CHANGELOG.md").read_text().split("\n", 1)[1]  # without its own title
+        return text.replace("](docs/", "](")  # its links are relative to the repository, the page's to docs/
     if name == "presets":
         return presets_markdown()
     raise ValueError(f"unknown docs marker flowrl:{name}")
+
+
+def installed_layout() -> Path:
+    """A folder where ``flowrl`` looks as it does once installed: the repository's top-level ``rewards/`` and
+    ``samplers/`` install as ``flowrl.rewards`` and ``flowrl.samplers``, and the API reference reads that layout
+    (made of links, rebuilt on every build)."""
+    import shutil
+
+    stage = ROOT / "build" / "docs-layout"  # mkdocs.yml's mkdocstrings paths
+    shutil.rmtree(stage, ignore_errors=True)
+    package = stage / "flowrl"
+    package.mkdir(parents=True)
+    for entry in (ROOT / "flowrl").iterdir():
+        if entry.name != "__pycache__":
+            (package / entry.name).symlink_to(entry)
+    for name in ("rewards", "samplers"):
+        (package / name).symlink_to(ROOT / name)
+    return stage
+
+
+installed_layout()  # when mkdocs loads this hook, before mkdocstrings looks for the package
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

@@ -99,8 +99,8 @@ class TinyModelConfig(Section):
 
 class ModelConfig(Section):
     family: str = opt("sd3", "model family: sd3 (SD3 / SD3.5), flux (FLUX.1 dev / schnell), flux2 (FLUX.2 dev / "
-                      "klein), qwenimage (Qwen-Image) or wan (Wan 2.1 / 2.2 text-to-video)",
-                      choices=["sd3", "flux", "flux2", "qwenimage", "wan"])
+                      "klein), qwenimage (Qwen-Image), wan (Wan 2.1 / 2.2 text-to-video), a family registered with "
+                      "flowrl.registry.register_model_family, or module:Class of a plug-in adapter")
     num_frames: int = opt(17, "video frames (wan): 4k + 1 for Wan's 4x temporal compression", lo=1)
     pretrained: Optional[str] = opt("tiny", "'tiny' (random init), 'tiny-shapes' / 'tiny-moving-shapes' (the shipped "
                                     "pretrained image / video models), a "
@@ -121,6 +121,22 @@ class ModelConfig(Section):
                                                     "(WanPipeline's guidance_scale_2); empty = sampler.guidance_scale",
                                                     lo=0.0)
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+
+
+    @field_validator("family")
+    @classmethod
+    def _a_known_family(cls, value):
+        return _known_family(value)
+
+
+def _known_family(value: str) -> str:
+    from .registry import MODEL_FAMILIES
+
+    if value not in MODEL_FAMILIES and ":" not in value:
+        close = difflib.get_close_matches(value, list(MODEL_FAMILIES), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"{value!r} is not one of {', '.join(MODEL_FAMILIES)}{hint} (or module:Class of a plug-in)")
+    return value
 
 
 class SamplerConfig(Section):

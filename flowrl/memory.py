@@ -63,7 +63,7 @@ def architecture(model_cfg) -> Architecture:
     import json
     from pathlib import Path
 
-    from .models import ADAPTERS
+    from .registry import adapter_class
 
     name = model_cfg.pretrained
     if name in (None, "", "tiny") or name.startswith("tiny"):
@@ -73,7 +73,7 @@ def architecture(model_cfg) -> Architecture:
         second = getattr(adapter, "frozen_expert", None)
         return Architecture(type(adapter.transformer).__name__, dict(adapter.transformer.config),
                             2 if second is not None else 1)
-    source = ADAPTERS[model_cfg.family].presets.get(name, name)
+    source = adapter_class(model_cfg.family).presets.get(name, name)
     if source in ARCHITECTURES:
         cls, config, experts = ARCHITECTURES[source]
         return Architecture(cls, dict(config), experts)
@@ -99,14 +99,14 @@ def build_on_meta(arch: Architecture, **changes):
 def state_bytes(cfg, arch: Architecture, shards: int) -> dict:
     """Per-process bytes of what the optimizer and the references hold (see the module docstring)."""
     from .algorithms import make_algorithm
-    from .models import ADAPTERS
+    from .registry import adapter_class
     from .policy import add_lora
 
     model = build_on_meta(arch)
     t = cfg.train
     total = sum(p.numel() for p in model.parameters())
     if t.lora.enabled:
-        add_lora(model, t.lora, ADAPTERS[cfg.model.family].lora_targets)
+        add_lora(model, t.lora, adapter_class(cfg.model.family).lora_targets)
         trained = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     else:
         trained = total
@@ -168,7 +168,7 @@ def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
     assumptions behind the number."""
     import diffusers
 
-    from .models import ADAPTERS
+    from .registry import adapter_class
     from .models.common import PromptEmbeds
 
     c = arch.config
@@ -176,7 +176,7 @@ def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
     heads = min(heads_full, max(1, 256 // head_dim))
     counts = _block_counts(arch)
     cls = getattr(diffusers, arch.class_name)
-    adapter_cls = ADAPTERS[cfg.model.family]
+    adapter_cls = adapter_class(cfg.model.family)
     shell = adapter_cls.bare(None, torch.float32, "cpu")  # the family's own transformer call, without a pipeline
     res = cfg.model.resolution
     channels = c.get("in_channels", 16)

@@ -22,6 +22,12 @@ ALGORITHMS: dict[str, Any] = {
         ("diffusion_nft", "DiffusionNFT"),
     ]
 }
+# model families (model.family): a ModelAdapter class with from_config(model_cfg, device)
+MODEL_FAMILIES: dict[str, Any] = {
+    "sd3": "flowrl.models.sd3:SD3Adapter", "flux": "flowrl.models.flux:FluxAdapter",
+    "flux2": "flowrl.models.flux2:Flux2Adapter", "qwenimage": "flowrl.models.qwenimage:QwenImageAdapter",
+    "wan": "flowrl.models.wan:WanAdapter",
+}
 # built-in prompt sets: a function returning the list of prompts
 PROMPT_SETS: dict[str, Any] = {
     "shapes-train": "flowrl.shapes.domain:train_prompts",
@@ -79,3 +85,14 @@ def register_algorithm(name: str, cls) -> None:
     """Make ``cls`` (a subclass of :class:`flowrl.algorithms.FlowGRPO` with its own ``Options``) available
     as ``algorithm.name: <name>``."""
     register(ALGORITHMS, name, cls)
+
+
+def adapter_class(name: str):
+    """The model adapter class of ``model.family`` (a registered family or ``module:Class``)."""
+    return resolve(MODEL_FAMILIES, name, "model.family")
+
+
+def register_model_family(name: str, cls) -> None:
+    """Make ``cls`` (a :class:`flowrl.models.base.ModelAdapter` with ``from_config``) available as
+    ``model.family: <name>``."""
+    register(MODEL_FAMILIES, name, cls)

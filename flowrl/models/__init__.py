@@ -14,8 +14,18 @@ ADAPTERS = {"sd3": SD3Adapter, "flux": FluxAdapter, "flux2": Flux2Adapter, "qwen
 
 
 def load_adapter(model_cfg, device="cpu") -> ModelAdapter:
-    """The adapter of ``model.family`` for ``model.pretrained`` (a registered name, hub id or local folder)."""
-    return ADAPTERS[model_cfg.family].from_config(model_cfg, device)
+    """The adapter of ``model.family`` (a built-in, a registered family or ``module:Class``) for
+    ``model.pretrained`` (a registered name, hub id or local folder).
+
+    Args:
+        model_cfg: the config's ``model`` section.
+        device: where the transformer runs.
+    Returns:
+        A :class:`~flowrl.models.base.ModelAdapter`.
+    """
+    from ..registry import adapter_class
+
+    return adapter_class(model_cfg.family).from_config(model_cfg, device)
 
 
 __all__ = ["ADAPTERS", "WanAdapter", "Flux2Adapter", "FluxAdapter", "QwenImageAdapter", "ModelAdapter", "PromptEmbeds", "SD3Adapter", "SD3_LORA_TARGETS", "SD3_PRESETS", "load_adapter"]
