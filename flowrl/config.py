@@ -602,7 +602,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def _resolve_data_path(name: str, config_path: Path | None) -> Path:
     """A relative data path as written in a config: from the current folder, else beside the config file, else
-    in the shipped assets (``assets/prompts/x.txt``), so a preset runs from any folder."""
+    in the shipped assets (``assets/prompts/animals.txt``), so a preset runs from any folder."""
     from .resources import assets_dir
 
     p = Path(name).expanduser()

@@ -1,4 +1,4 @@
-"""``flowrl gpu-check`` (``make gpu-check``): the one prepared command for a lent GPU, in stages.
+"""``flowrl gpu-check`` (``make gpu-check``): the one prepared command for a GPU machine, in stages.
 
 Each stage runs in its own process with its own time budget, so one that fails or hangs (a cuBLAS error, a
 compilation that overruns) is recorded and the next one still runs. The whole check is sized for 8 minutes on one

@@ -21,7 +21,7 @@ def gaussian_kl_same_std(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.
     """KL(N(mean, s^2) || N(mean_ref, s^2)) per element averaged over non-batch dims -> (E,).
 
     ``std`` is the transition's full std (including sqrt(|dt|)) by default; :func:`kl_std` gives Flow-GRPO's
-    SD3 normalisation, which omits the dt factor (flow_grpo issue #78), so its beta is |dt| times ours.
+    SD3 normalisation, which omits the dt factor (discussed in flow_grpo's GitHub thread #78), so its beta is |dt| times ours.
     """
     kl = (mean - mean_ref) ** 2 / (2 * std**2)
     return kl.mean(dim=tuple(range(1, kl.ndim)))

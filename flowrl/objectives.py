@@ -34,7 +34,7 @@ class TrainingParts:
     and the kernel options of the configured sampler."""
 
     cfg: Any  # flowrl.config.Config
-    adapter: Any  # flowrl.models.common.Adapter
+    adapter: Any  # a flowrl.models.base.ModelAdapter
     policy: Any  # flowrl.policy.Policy
     procs: Any  # flowrl.distributed.Processes
     sigmas: torch.Tensor  # (T + 1,) the rollout grid

@@ -26,8 +26,8 @@ def configs_dir() -> Path:
 
 
 def find_config(path: str | Path) -> Path | None:
-    """A config path as given if it exists; else the shipped preset of that name (``configs/x.yaml``,
-    ``x.yaml`` or ``x``), so ``flowrl train configs/tiny_default.yaml`` works from any folder."""
+    """A config path as given if it exists; else the shipped preset of that name (``configs/tiny_default.yaml``,
+    ``tiny_default.yaml`` or ``tiny_default``), so ``flowrl train configs/tiny_default.yaml`` works from any folder."""
     p = Path(path)
     if p.is_file():
         return p

@@ -3,7 +3,7 @@
 Captions read "a red circle on a blue background". 4 shapes x 8 colours x 7 other background colours =
 224 prompts; a fixed, seeded subset of them is held out (never seen in pretraining) and every colour and
 shape still appears in the training prompts. Images are rendered without anti-aliasing so that the pixel
-checker (``flowrl.rewards.shapes``) can be exact on ground truth.
+checker (``flowrl.shapes.reward``) can be exact on ground truth.
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     # patch_size (4, 4, 4): every token holds the four frames in order. With the default (1, 4, 4) the direction
-    # word was never learned; with (4, 4, 4) motion rose from 25% to 99% between steps 13,000 and 16,000 (README)
+    # word was never learned; with (4, 4, 4) motion rose from 25% to 99% between steps 13,000 and 16,000 (CHANGELOG.md)
     pipe = build_tiny_moving_shapes_pipeline(seed=seed, patch_size=patch_size)
     # The time shift moves training sigmas (and the sampling grid) toward high noise, where the clip's layout and
     # path are decided: with SD3's logit-normal(0, 1) alone only 1.4% of the draws have sigma > 0.9.
