@@ -386,9 +386,26 @@ class _Edges:
 @torch.no_grad()
 def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape: tuple[int, ...], *,
             max_batch: int = 64, guidance_scale: float = 1.0, negative=None, **options) -> Tree:
-    """Run ``plan`` for every prompt row of ``cond`` (P prompts) and return the tree; each round's live nodes go
-    through the transformer in calls of at most ``max_batch``. ``options``: those of :func:`rollout_rounds`
-    (kernel, noise_level, generator, initial_noise, roots, ...)."""
+    """Run a plan for every prompt and return the tree of transitions.
+
+    Each round's live nodes go through the transformer in calls of at most ``max_batch`` rows; a parent's velocity
+    serves all its children.
+
+    Args:
+        adapter: the model family's :class:`~flowrl.models.base.ModelAdapter`.
+        cond: the P prompts' encoded batch (``adapter.encode_prompts``).
+        plan: the plan of one prompt (every prompt follows it).
+        sigmas: the (T + 1,) sigma grid, sigma_0 = 1 down to sigma_T = 0.
+        latent_shape: one sample's latent shape, (C, H, W) or (C, F, H, W).
+        max_batch: the largest transformer call.
+        guidance_scale: true CFG scale (1 = off).
+        negative: the encoded negative prompt for CFG.
+        **options: those of :func:`rollout_rounds`: ``kernel``, ``noise_level``, ``generator`` (required),
+            ``initial_noise``, ...
+    Returns:
+        A :class:`Tree`: per round the nodes' latents (N_r, *latent), grid indices, parents, log-probs and stds
+        of the edges into them; ``tree.leaves`` are the final states.
+    """
     generator = options.pop("generator")
     return packed_rollouts(adapter, cond, [(0, cond.embeds.shape[0], generator)], plan, sigmas, latent_shape,
                            stagger=0, max_batch=max_batch, guidance_scale=guidance_scale, negative=negative,

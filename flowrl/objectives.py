@@ -61,7 +61,23 @@ class UpdateBatch:
 
 
 class Objective(Protocol):
-    def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list: ...
+    """What the optimisation loop (:func:`flowrl.optimise.optimise`) needs of a loss: work items it can deal to
+    processes and pack into micro-batches, each item's size and rows, and the summed loss of a micro-batch.
+
+    The loop calls :meth:`work_items` once per update, then per minibatch :meth:`begin_minibatch`,
+    :meth:`micro_batch_loss` for each micro-batch (and backward), :meth:`end_minibatch`, the optimizer step,
+    and finally :meth:`statistics`.
+    """
+
+    def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
+        """The update's work items.
+
+        Args:
+            batch: the rollout's tree, advantages and trained-edge masks.
+            gen: the iteration's generator.
+        Returns:
+            Per minibatch-able group, the items (their order is the same on every process).
+        """
 
     def item_size(self, item) -> int:
         """Transformer inputs one item puts through a forward (its share of the micro-batch)."""
@@ -72,9 +88,14 @@ class Objective(Protocol):
     def begin_minibatch(self, items: list, gen: torch.Generator) -> None: ...
 
     def micro_batch_loss(self, numbered: list[tuple[int, Any]], record: bool = True) -> torch.Tensor:
-        """The summed loss of this micro-batch's rows; ``numbered`` pairs each item with its place in the
-        minibatch (the same on every process). ``record=False``: padding work (sharded training), kept out of
-        the statistics."""
+        """The summed loss of one micro-batch's rows.
+
+        Args:
+            numbered: ``(place in the minibatch, item)`` pairs (places are the same on every process).
+            record: False for padding work in sharded training, kept out of the statistics.
+        Returns:
+            A scalar tensor: the sum over the micro-batch's rows, already divided by the whole minibatch's rows.
+        """
 
     def end_minibatch(self, gen: torch.Generator) -> torch.Tensor | None:
         """After the micro-batches' backwards: an extra loss of the minibatch to back-propagate, or None."""

@@ -31,8 +31,18 @@ def micro_batches(numbered: list, max_size: int, size):
 
 
 def optimise(objective: Objective, batch: UpdateBatch, policy, procs, train_cfg, gen: torch.Generator) -> dict:
-    """Train ``policy`` on one iteration's ``batch`` with ``objective``; returns the update's statistics
-    (the objective's, plus optimizer_steps and the mean pre-clip gradient norm).
+    """Train ``policy`` on one iteration's ``batch`` with ``objective``: epochs, minibatches, micro-batches,
+    gradient accumulation, the gradient sum over processes, clipping, the optimizer step and the EMA.
+
+    Args:
+        objective: the algorithm's :class:`~flowrl.objectives.Objective`.
+        batch: the rollout's tree, advantages and trained-edge masks.
+        policy: the trained weights with their optimizer (:class:`flowrl.policy.Policy`).
+        procs: the processes (world size, rank, collectives).
+        train_cfg: the config's ``train`` section.
+        gen: the iteration's generator.
+    Returns:
+        The update's statistics: the objective's, plus ``optimizer_steps`` and the mean pre-clip gradient norm.
 
     Sharded (``train.fsdp``), a process whose share of a minibatch makes fewer micro-batches than another's adds
     zero-weight ones (the loss of the minibatch's first item times 0, not recorded in the statistics): its

@@ -41,6 +41,22 @@ from .throughput import rates
 
 
 class Trainer:
+    """Setup plus the loop: loads the model, the algorithm, rewards and the run folder, then runs iterations.
+
+    Args:
+        cfg: a loaded config (:func:`flowrl.config.load_config`).
+        config_name: names the run folder when ``log.run_name`` is empty (``<config_name>-<time>``).
+        run_dir: the run folder itself, instead of ``log.output_dir / log.run_name``.
+
+    Example:
+        ```python
+        from flowrl.config import load_config
+        from flowrl.trainer import Trainer
+
+        run_dir = Trainer(load_config("configs/tiny_jpeg.yaml", ["train.iterations=2"])).train()
+        ```
+    """
+
     def __init__(self, cfg: Config, config_name: str = "run", run_dir: str | Path | None = None):
         from .sharding import from_launch
 
@@ -149,6 +165,12 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ the loop
     def train(self) -> Path:
+        """Run the remaining iterations (all, or after the resumed checkpoint), with evaluations, checkpoints and
+        the final held-out evaluation.
+
+        Returns:
+            The run folder.
+        """
         cfg = self.cfg
         bar = tqdm(range(self.start_iteration, cfg.train.iterations), desc="train",
                    disable=not (cfg.log.progress and self.procs.is_main),
@@ -181,7 +203,13 @@ class Trainer:
         return self.run_dir
 
     def iteration(self, it: int) -> dict:
-        """One rollout and update; returns the iteration's metrics row."""
+        """One rollout, scoring and update.
+
+        Args:
+            it: the iteration (seeds every draw with ``train.seed``).
+        Returns:
+            The iteration's metrics row (what ``metrics.jsonl`` gets).
+        """
         cfg, algo = self.cfg, self.algorithm
         gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + it)
         plan = algo.plan(it, random.Random(cfg.train.seed * 1_000_003 + it), self.sigmas)

@@ -40,7 +40,18 @@ def _load_user_function(spec: str) -> Callable:
 
 
 def build_reward(name: str, **args) -> Callable:
-    """A scorer by registered name, or ``module:function`` (called directly, or as a factory if it is a class)."""
+    """A scorer by registered name, or ``module:function`` (called directly, or as a factory if it is a class).
+
+    A scorer is called as ``scorer(images, prompts, metadata)`` with images (N, 3, H, W) in [0, 1] (videos
+    (N, F, 3, H, W)), N prompts and N metadata dicts, and returns (N,) scores; NaN marks an image it could not
+    score.
+
+    Args:
+        name: a registered reward (``pickscore``, ``clip``, ...) or ``module:attribute``.
+        **args: the reward's constructor arguments (a config's ``rewards[i].args``).
+    Returns:
+        The scorer.
+    """
     if ":" in name:
         obj = _load_user_function(name)
         return obj(**args) if inspect.isclass(obj) else obj

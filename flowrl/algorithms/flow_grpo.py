@@ -36,6 +36,19 @@ class FlowGRPOOptions(WindowedOptions):
 
 
 class FlowGRPO:
+    """Flow-GRPO, and the default of every hook an algorithm has.
+
+    Each other algorithm subclasses it with exactly its difference. Per iteration the trainer calls
+    :meth:`choose_prompts`, :meth:`plan` (through the rollout runner), :meth:`advantages`,
+    :meth:`observe_rewards`, :meth:`select_edges`, :meth:`work_items` and the objective from
+    :meth:`make_objective`, then :meth:`observe_update`. ``Options`` is the pydantic model of the config's
+    ``algorithm`` section; :meth:`check` runs when a config loads; :meth:`state_dict` /
+    :meth:`load_state_dict` carry what an exact resume needs.
+
+    Args:
+        cfg: the loaded config; ``cfg.algorithm`` is an instance of ``Options``.
+    """
+
     Options = FlowGRPOOptions
     window_required = False
     keeps_old_policy = False  # True: rollouts use an old copy of the weights that follows the trained ones
@@ -52,7 +65,13 @@ class FlowGRPO:
     # ------------------------------------------------------------------------------------------ config
     @classmethod
     def check(cls, cfg) -> None:
-        """Cross-field checks, run at config load (before a model is loaded or a file written)."""
+        """Cross-field checks, run at config load (before a model is loaded or a file written).
+
+        Args:
+            cfg: the whole loaded config (``cfg.algorithm`` holds this algorithm's options).
+        Raises:
+            ConfigError: one line naming the key to change.
+        """
         check_window(cfg, required=cls.window_required)
         a = cfg.algorithm
         if getattr(a, "antithetic", False):
@@ -65,8 +84,18 @@ class FlowGRPO:
 
     # ------------------------------------------------------------------------------------------ prompts
     def choose_prompts(self, ctx: AlgorithmContext, it: int, gen: torch.Generator, row: dict):
-        """(prompts, metadata, group size per prompt or None = the plan's). ``drop_refill`` rolls out
-        ``refill_extra`` more prompts than ``prompts_per_iter``."""
+        """Which prompts this iteration rolls out, and how many samples each gets.
+
+        Args:
+            ctx: what an algorithm may call (prompt sets, ODE sampling, rewards).
+            it: the iteration.
+            gen: the iteration's generator (every draw comes from it, for an exact resume).
+            row: the metrics row, for the algorithm's own statistics.
+        Returns:
+            ``(prompts, metadata, group_sizes)``: P prompts, their P metadata dicts, and the samples per prompt
+            (a list of P ints) or None for the plan's own. ``drop_refill`` rolls out ``refill_extra`` more prompts
+            than ``prompts_per_iter``.
+        """
         adv = self.cfg.advantage
         extra = adv.refill_extra if adv.zero_variance == "drop_refill" else 0
         prompts, metadata = ctx.prompts.batch(it, self.cfg.train.prompts_per_iter + extra)
@@ -79,6 +108,16 @@ class FlowGRPO:
         return [i < n_train for i in range(t)]
 
     def plan(self, it: int, rng: random.Random | None = None, sigmas: torch.Tensor | None = None) -> RolloutPlan:
+        """The rollout plan of one prompt for this iteration: SDE or ODE, branching, side branches and trained
+        steps per denoising index.
+
+        Args:
+            it: the iteration (windows and schedules move with it).
+            rng: the plan's random source; default seeded by (train.seed, it).
+            sigmas: the (T + 1,) sigma grid, for plans that depend on it (E-GRPO's entropy rule).
+        Returns:
+            A :class:`~flowrl.samplers.plans.RolloutPlan` with ``sampler.num_steps`` step specs.
+        """
         t, o = self.cfg.sampler.num_steps, self.opts
         rng = rng or random.Random(self.cfg.train.seed * 1000003 + it)
         if o.window.size == 0:
@@ -118,8 +157,20 @@ class FlowGRPO:
         return torch.tensor([lo + (hi - lo) * self.tracker.value(prompts[g]) for g in tree.leaf_group.tolist()])
 
     def advantages(self, tree, rewards: torch.Tensor, it: int, prompts: list[str] | None = None):
-        """Leaf rewards (L,) -> (per-round node advantages, per-round keep masks, statistics). A node's value is
-        the mean advantage of the leaves below it: in a flat tree each trained edge has exactly one leaf below."""
+        """Terminal rewards to advantages on the tree's nodes (the edge into a node carries the node's advantage).
+
+        A node's value is the mean advantage of the leaves below it: in a flat tree each trained edge has exactly
+        one leaf below.
+
+        Args:
+            tree: the rollout's :class:`~flowrl.engine.Tree` (``tree.leaf_group`` (L,) maps leaves to prompts).
+            rewards: (L,) total reward per leaf (NaN already masked).
+            it: the iteration.
+            prompts: the P prompts, for per-prompt baselines (trackers).
+        Returns:
+            ``(node_adv, keep, stats)``: per round a (N_r,) advantage tensor and a (N_r,) bool keep mask (pruning),
+            and a dict of statistics for the metrics row.
+        """
         adv_leaf, stats = self.leaf_advantages(tree, rewards, self.baselines(tree, prompts))
         keep = [torch.ones(x.shape[0], dtype=torch.bool) for x in tree.latents]
         if self.cfg.advantage.zero_variance == "drop_refill" and prompts is not None:
@@ -162,12 +213,31 @@ class FlowGRPO:
 
     # ------------------------------------------------------------------------------------------ edges
     def select_edges(self, tree, gen: torch.Generator) -> list[torch.Tensor]:
-        """Per round, a bool mask over its nodes: train the edge into that node (here: the plan's candidates)."""
+        """Which edges the update trains.
+
+        Args:
+            tree: the rollout's tree.
+            gen: the iteration's generator (for random subsets, DanceGRPO's timestep fraction).
+        Returns:
+            Per round, a (N_r,) bool mask over its nodes: train the edge into that node (here: the plan's
+            candidates).
+        """
         return [m.clone() for m in tree.trained]
 
     def work_items(self, tree, node_adv, masks, gen: torch.Generator) -> list[list[Unit]]:
-        """One item per parent state with all its trained edges. Edges with zero advantage carry no policy
-        gradient and are skipped unless a KL term needs them."""
+        """Group the trained edges into work items, the unit the update's micro-batches are made of.
+
+        One item per parent state with all its trained edges. Edges with zero advantage carry no policy gradient
+        and are skipped unless a KL term needs them.
+
+        Args:
+            tree: the rollout's tree.
+            node_adv: per round, (N_r,) advantages.
+            masks: per round, (N_r,) bool masks of the edges to train.
+            gen: the iteration's generator.
+        Returns:
+            Per minibatch-able group, a list of :class:`~flowrl.algorithms.base.Unit` items.
+        """
         keep_zero = self.cfg.train.kl_beta > 0
         items = []
         for d in range(1, tree.num_rounds + 1):
@@ -188,11 +258,25 @@ class FlowGRPO:
         return log_prob - old_log_prob, adv, kl, step
 
     def loss_weights(self, tree, masks) -> dict[int, float] | None:
-        """Per-step loss weight keyed by the parent's grid index, or None (all 1)."""
+        """A loss weight per denoising step.
+
+        Args:
+            tree: the rollout's tree.
+            masks: per round, the (N_r,) trained-edge masks.
+        Returns:
+            ``{grid index of the parent: weight}``, or None for a weight of 1 everywhere.
+        """
         return None
 
     def make_objective(self, parts):
-        """The objective this algorithm trains (flowrl/objectives.py): PPO-clip on the rollout's transitions."""
+        """The objective the optimisation loop minimises for this algorithm.
+
+        Args:
+            parts: the :class:`~flowrl.objectives.TrainingParts` (policy, adapter, reference, config).
+        Returns:
+            An :class:`~flowrl.objectives.Objective`; here :class:`~flowrl.objectives.TransitionObjective`
+            (PPO-clip on the rollout's transitions).
+        """
         return TransitionObjective(self, parts)
 
     def old_decay(self, it: int) -> float:

@@ -24,17 +24,38 @@ class PromptBatch(Protocol):
 
 @runtime_checkable
 class ModelAdapter(Protocol):
+    """A model family behind one interface: what the engine, the trainer and the sampler call. Each family
+    (``flowrl.models.sd3``, ``flux``, ``flux2``, ``qwenimage``, ``wan``) implements it around its diffusers
+    pipeline, with a ``from_config(model_cfg, device)`` constructor."""
+
     family: str
     transformer: torch.nn.Module  # the trained module (wrapped by accelerate during training)
     device: torch.device
     lora_targets: list[str]  # default peft target modules
 
     def encode_prompts(self, prompts: list[str]) -> PromptBatch:
-        """Embeddings per prompt, computed once per distinct string and cached."""
+        """Encode prompts, each distinct string once (cached), one at a time so that results do not depend on the
+        batch's composition.
+
+        Args:
+            prompts: N prompts.
+        Returns:
+            A :class:`PromptBatch` with N rows.
+        """
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: PromptBatch, guidance_scale: float = 1.0,
                  negative: PromptBatch | None = None) -> torch.Tensor:
-        """v(x, sigma | prompt) in fp32 for a batch of latents at per-sample sigmas (B,), with true CFG."""
+        """The velocity v(x, sigma | prompt) for a batch of latents at per-sample sigmas.
+
+        Args:
+            x: (B, *latent_shape) latents.
+            sigma: (B,) noise levels in [0, 1], one per row (rows may differ).
+            cond: B rows of encoded prompts.
+            guidance_scale: true CFG scale (1 = the conditional velocity only).
+            negative: the encoded negative prompt (one row, or B) when guidance_scale > 1.
+        Returns:
+            (B, *latent_shape) fp32 velocities.
+        """
 
     def latent_shape(self, resolution: int) -> tuple[int, ...]:
         """Latent shape of one sample (no batch axis)."""
@@ -53,7 +74,13 @@ class ModelAdapter(Protocol):
         """The family's FlowMatchEulerDiscreteScheduler config (shift, dynamic shifting)."""
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents -> images (B, 3, H, W) or videos (B, F, 3, H, W) in [0, 1], fp32."""
+        """Decode final latents.
+
+        Args:
+            latents: (B, *latent_shape).
+        Returns:
+            Images (B, 3, H, W) or videos (B, F, 3, H, W) in [0, 1], fp32.
+        """
 
     def reference(self) -> AbstractContextManager:
         """The reference policy for the KL term (LoRA disabled) for the duration of the context."""
