@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.flowrl-installed
 
-.PHONY: demo demo-video test test-slow bench bench-gpu gpu-check setup clean
+.PHONY: demo demo-video test test-slow bench bench-gpu gpu-check docs docs-serve setup clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,5 +40,12 @@ GPU_CHECK_ARGS ?=
 gpu-check: $(STAMP)
 	$(VENV)/bin/flowrl gpu-check --out gpu_check_$$(date +%Y%m%d_%H%M%S) $(GPU_CHECK_ARGS)
 
+# the documentation site (strict: a broken link or a missing page fails) into site/
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
+
 clean:
-	rm -rf runs compare .pytest_cache
+	rm -rf runs compare .pytest_cache site site-shots build/docs-layout

@@ -816,6 +816,8 @@ def reference_markdown(only_table: str | None = None) -> str:
         if isinstance(default, list):
             default = [d.model_dump() if isinstance(d, BaseModel) else d for d in default]
         default_text = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+        if table.startswith("algorithm (") and key == "algorithm.name":
+            default_text = table[len("algorithm ("):-1]  # the name that selects this table's algorithm
         choices = _choices(field)
         bounds = [f"{sign} {getattr(m, attr)}" for m in field.metadata
                   for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<=")) if hasattr(m, attr)]
