@@ -38,15 +38,22 @@ def cmd_pretrain_tiny_clip(args) -> int:
     return 0
 
 
+def _optimisation_arguments(parser, *, steps: int, batch: int, resumable: bool) -> None:
+    """The options every pretraining command shares."""
+    parser.add_argument("--steps", type=int, default=steps, help="optimizer steps in all (a resumed run continues "
+                        "to this count)")
+    parser.add_argument("--batch", type=int, default=batch, help="images (or clips) per optimizer step")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
+    if resumable:
+        parser.add_argument("--save-every", type=int, default=250, help="steps between resumable state saves")
+
+
 def add_commands(sub) -> None:
     """Add the pretraining subcommands to ``flowrl``'s subparsers."""
     pt = sub.add_parser("pretrain-tiny", help="pretrain the embedded tiny model on the shapes domain (CPU, resumable)")
     pt.add_argument("--work-dir", default="runs/pretrain-tiny", help="state, grids; rerun to resume")
-    pt.add_argument("--steps", type=int, default=4000, help="optimizer steps in all (a resumed run continues to this count)")
-    pt.add_argument("--batch", type=int, default=32, help="images (or clips) per optimizer step")
-    pt.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    pt.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
-    pt.add_argument("--save-every", type=int, default=250, help="steps between resumable state saves")
+    _optimisation_arguments(pt, steps=4000, batch=32, resumable=True)
     pt.add_argument("--grid-every", type=int, default=500, help="steps between sample grids")
     pt.add_argument("--export-dir", default=None, help="default: assets/tiny_shapes")
     pt.add_argument("--decay-from", type=int, default=None,
@@ -62,11 +69,7 @@ def add_commands(sub) -> None:
     pv = sub.add_parser("pretrain-tiny-video", help="pretrain the embedded tiny video model on the moving-shapes "
                         "domain (CPU, resumable)")
     pv.add_argument("--work-dir", default="runs/pretrain-tiny-video", help="state, grids, progress; rerun to resume")
-    pv.add_argument("--steps", type=int, default=6000, help="optimizer steps in all (a resumed run continues to this count)")
-    pv.add_argument("--batch", type=int, default=32, help="images (or clips) per optimizer step")
-    pv.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    pv.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
-    pv.add_argument("--save-every", type=int, default=250, help="steps between resumable state saves")
+    _optimisation_arguments(pv, steps=6000, batch=32, resumable=True)
     pv.add_argument("--eval-every", type=int, default=1000, help="held-out readout and video grid every N steps")
     pv.add_argument("--export-dir", default=None, help="default: assets/tiny_moving_shapes")
     pv.add_argument("--decay-from", type=int, default=None,
@@ -86,9 +89,6 @@ def add_commands(sub) -> None:
                     "2.2 text-to-video: 0.875)")
     pv.set_defaults(func=cmd_pretrain_tiny_video)
     pc = sub.add_parser("pretrain-tiny-clip", help="train the tiny shapes CLIP (open_clip architecture) on the CPU")
-    pc.add_argument("--steps", type=int, default=1500, help="optimizer steps in all (a resumed run continues to this count)")
-    pc.add_argument("--batch", type=int, default=64, help="images (or clips) per optimizer step")
-    pc.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    pc.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
+    _optimisation_arguments(pc, steps=1500, batch=64, resumable=False)
     pc.add_argument("--export-dir", default=None, help="default: assets/tiny_clip")
     pc.set_defaults(func=cmd_pretrain_tiny_clip)
