@@ -467,8 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
     bg = sub.add_parser("bench-gpu", help="SD3.5-Medium- and FLUX.1-sized transformers (random weights, real configs): "
                         "LoRA GRPO update step and flat / tree rollouts; time, images/s, TFLOP/s, MFU, peak memory")
-    bg.add_argument("--families", nargs="+", default=["sd35m", "flux1"], choices=["sd35m", "flux1", "qwen", "wan13"],
-                    help="architectures to build (SD3.5-M, FLUX.1-dev, Qwen-Image, Wan 2.1 1.3B)")
+    bg.add_argument("--families", nargs="+", default=["sd35m", "flux1"], choices=["sd35m", "flux1", "flux2k", "qwen", "wan13", "wan14"],
+                    help="architectures to build (SD3.5-M, FLUX.1-dev, FLUX.2 [klein] 4B, Qwen-Image, Wan 2.1 1.3B / 14B)")
     bg.add_argument("--resolutions", nargs="+", type=positive_int, default=[512, 1024], help="image sides in pixels")
     bg.add_argument("--batch", type=positive_int, default=4, help="edges per update step")
     bg.add_argument("--prompts", type=positive_int, default=2, help="prompts per rollout (16 leaves each)")

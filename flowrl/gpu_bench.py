@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .memory import FLUX1_DEV, QWEN_IMAGE, SD35_MEDIUM, WAN21_1_3B  # the published architecture configs
+from .memory import FLUX1_DEV, FLUX2_KLEIN_4B, QWEN_IMAGE, SD35_MEDIUM, WAN21_1_3B, WAN21_14B  # published configs
 from .models.common import PromptEmbeds
 from .sampling import peak_memory_mb, synchronize
 
@@ -32,18 +32,26 @@ TINY = {"sd35m": dict(SD35_MEDIUM, num_layers=2, attention_head_dim=16, num_atte
 TINY.update({"qwen": dict(QWEN_IMAGE, num_layers=1, num_attention_heads=2, attention_head_dim=32,
                           joint_attention_dim=32, axes_dims_rope=(8, 12, 12)),
              "wan13": dict(WAN21_1_3B, num_layers=1, num_attention_heads=2, attention_head_dim=32, ffn_dim=64,
-                           text_dim=32, freq_dim=32)})
-REAL = {"sd35m": SD35_MEDIUM, "flux1": FLUX1_DEV, "qwen": QWEN_IMAGE, "wan13": WAN21_1_3B}
+                           text_dim=32, freq_dim=32),
+             "flux2k": dict(FLUX2_KLEIN_4B, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                            num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 4, 4, 4))})
+TINY["wan14"] = TINY["wan13"]
+REAL = {"sd35m": SD35_MEDIUM, "flux1": FLUX1_DEV, "qwen": QWEN_IMAGE, "wan13": WAN21_1_3B, "wan14": WAN21_14B,
+        "flux2k": FLUX2_KLEIN_4B}
 CLASSES = {"sd35m": "SD3Transformer2DModel", "flux1": "FluxTransformer2DModel", "qwen": "QwenImageTransformer2DModel",
-           "wan13": "WanTransformer3DModel"}
-ADAPTER_FAMILY = {"qwen": "qwenimage", "wan13": "wan"}  # families called through their adapter's transformer call
-# CLIP 77 x 2 padded + T5 256 (SD3); T5 512 (FLUX.1-dev); a typical Qwen2.5-VL prompt; UMT5 padded to 512 (Wan)
-TEXT_TOKENS = {"sd35m": 333, "flux1": 512, "qwen": 256, "wan13": 512}
+           "wan13": "WanTransformer3DModel", "wan14": "WanTransformer3DModel", "flux2k": "Flux2Transformer2DModel"}
+# families called through their adapter's transformer call
+ADAPTER_FAMILY = {"qwen": "qwenimage", "wan13": "wan", "wan14": "wan", "flux2k": "flux2"}
+# CLIP 77 x 2 padded + T5 256 (SD3); T5 512 (FLUX.1-dev); a typical Qwen2.5-VL prompt; UMT5 padded to 512 (Wan);
+# Qwen3 padded to 512 (FLUX.2 klein)
+TEXT_TOKENS = {"sd35m": 333, "flux1": 512, "qwen": 256, "wan13": 512, "wan14": 512, "flux2k": 512}
 WAN_FRAMES = 9  # 3 latent frames (the 4x temporal VAE)
 LORA_TARGETS = {"sd35m": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"],
                 "flux1": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"],
                 "qwen": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"],
-                "wan13": ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0"]}
+                "wan13": ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0"],
+                "wan14": ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0"],
+                "flux2k": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.to_qkv_mlp_proj"]}
 
 
 @dataclass
@@ -56,8 +64,10 @@ class BenchModel:
     _shell: object = None  # Qwen-Image, Wan: the family adapter's transformer call, built on first use
 
     def latent_shape(self, px: int) -> tuple[int, ...]:
-        if self.family == "wan13":  # (C, latent frames, h, w)
+        if self.family in ("wan13", "wan14"):  # (C, latent frames, h, w)
             return (16, (WAN_FRAMES - 1) // 4 + 1, px // 8, px // 8)
+        if self.family == "flux2k":  # (4C, h, w): the 32-channel VAE at 8x, patchified 2x2 before the transformer
+            return (self.transformer.config.in_channels, px // 16, px // 16)
         return (16, px // 8, px // 8)  # a 16-channel VAE at 8x
 
     def velocity(self, x, sigma, cond: PromptEmbeds, guidance_scale: float = 1.0, negative=None):

@@ -6,10 +6,10 @@ H200. It writes ``gpu_check.json`` (every stage's status, seconds, rows or error
 as tables) into ``--out``. ``--tiny`` runs the same stages on a CPU with shrunken models (the test suite does).
 
 Stages:
-- ``bench-sd35m``, ``bench-flux1``, ``bench-qwen-image``, ``bench-wan21-1.3b``: ``flowrl bench-gpu``'s LoRA update
-  step (fused / unfused AdamW, gradient checkpointing) and flat / tree rollouts on the published architectures
-  (random weights; SD3.5-M and FLUX.1 at 512 and 1024 px, Qwen-Image at 512, Wan 2.1 at 256 px x 9 frames), with
-  measured FLOPs and MFU;
+- ``bench-sd35m``, ``bench-flux1``, ``bench-flux2-klein``, ``bench-qwen-image``, ``bench-wan21-1.3b``,
+  ``bench-wan21-14b``: ``flowrl bench-gpu``'s LoRA update step (fused / unfused AdamW, gradient checkpointing) and
+  flat / tree rollouts on the published architectures (random weights; SD3.5-M and FLUX.1 at 512 and 1024 px,
+  FLUX.2 [klein] 4B and Qwen-Image at 512, Wan 2.1 1.3B and 14B at 256 px x 9 frames), with measured FLOPs and MFU;
 - ``fsdp-world1``: a short sharded run (``train.fsdp.enabled=true``) of the tiny model on the device, its peak
   memory beside ``flowrl memory``'s estimate for the same config;
 - ``gpu-tests``: the GPU-marked tests (``pytest -m gpu``);
@@ -26,18 +26,22 @@ import tempfile
 import time
 from pathlib import Path
 
-STAGES = {  # name -> seconds allowed on the GPU (the tiny CPU check shares them); about 8 minutes in all
-    "bench-sd35m": 95,
-    "bench-flux1": 95,
-    "bench-qwen-image": 95,
-    "bench-wan21-1.3b": 70,
-    "fsdp-world1": 45,
-    "gpu-tests": 35,
-    "tiny-main-job": 45,
+STAGES = {  # name -> seconds allowed on the GPU (the tiny CPU check shares them); 8 minutes in all
+    "bench-sd35m": 75,
+    "bench-flux1": 75,
+    "bench-flux2-klein": 55,
+    "bench-qwen-image": 70,
+    "bench-wan21-1.3b": 50,
+    "bench-wan21-14b": 55,
+    "fsdp-world1": 40,
+    "gpu-tests": 30,
+    "tiny-main-job": 30,
 }
 # per benchmark stage: the family's layout, its resolutions and the prompts of its rollouts (16 chains each)
+# Wan 2.1 14B at 256 px x 9 frames: its frames reduced so that one GPU holds the update and the 16-chain rollout
 BENCH = {"bench-sd35m": ("sd35m", (512, 1024), 2), "bench-flux1": ("flux1", (512, 1024), 2),
-         "bench-qwen-image": ("qwen", (512,), 1), "bench-wan21-1.3b": ("wan13", (256,), 1)}
+         "bench-flux2-klein": ("flux2k", (512,), 1), "bench-qwen-image": ("qwen", (512,), 1),
+         "bench-wan21-1.3b": ("wan13", (256,), 1), "bench-wan21-14b": ("wan14", (256,), 1)}
 
 
 def _stage_command(name: str, tiny: bool, out: Path) -> list[str]:

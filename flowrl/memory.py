@@ -39,11 +39,17 @@ WAN21_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_di
                  qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
                  rope_max_seq_len=1024)
 WAN21_1_3B = dict(WAN21_14B, num_attention_heads=12, ffn_dim=8960, num_layers=30)
+FLUX2_KLEIN_4B = dict(patch_size=1, in_channels=128, out_channels=None, num_layers=5, num_single_layers=20,
+                      attention_head_dim=128, num_attention_heads=24, joint_attention_dim=7680,
+                      timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32),
+                      rope_theta=2000, eps=1e-6, guidance_embeds=False)
 ARCHITECTURES = {
     "stabilityai/stable-diffusion-3.5-medium": ("SD3Transformer2DModel", SD35_MEDIUM, 1),
     "black-forest-labs/FLUX.1-dev": ("FluxTransformer2DModel", FLUX1_DEV, 1),
     "black-forest-labs/FLUX.1-schnell": ("FluxTransformer2DModel", dict(FLUX1_DEV, guidance_embeds=False), 1),
     "Qwen/Qwen-Image": ("QwenImageTransformer2DModel", QWEN_IMAGE, 1),
+    "black-forest-labs/FLUX.2-klein-4B": ("Flux2Transformer2DModel", FLUX2_KLEIN_4B, 1),
+    "black-forest-labs/FLUX.2-klein-base-4B": ("Flux2Transformer2DModel", FLUX2_KLEIN_4B, 1),
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("WanTransformer3DModel", WAN21_1_3B, 1),
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": ("WanTransformer3DModel", WAN21_14B, 1),
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": ("WanTransformer3DModel", WAN21_14B, 2),  # two experts of 14B
@@ -180,12 +186,14 @@ def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
     shell = adapter_cls.bare(None, torch.float32, "cpu")  # the family's own transformer call, without a pipeline
     res = cfg.model.resolution
     channels = c.get("in_channels", 16)
-    if cfg.model.family == "flux" or cfg.model.family == "flux2":
+    if cfg.model.family == "flux":  # FLUX.1's engine latents stay unpacked: the adapter packs 2x2 patches
         channels //= 4
     if cfg.model.family == "qwenimage":
         channels = c.get("out_channels", 16)
     tiny = cfg.model.pretrained in (None, "", "tiny") or str(cfg.model.pretrained).startswith("tiny")
     factor = 1 if tiny else 8  # the VAE's downsampling (the tiny models' own latents are measured as built)
+    if cfg.model.family == "flux2" and not tiny:
+        factor = 16  # FLUX.2's engine latents are already patchified 2x2: (4C, H / 16, W / 16)
     if cfg.model.family == "wan":
         frames = (cfg.model.num_frames - 1) // 4 + 1
         shape = (channels, frames, res // factor, res // factor)
