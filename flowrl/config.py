@@ -299,6 +299,11 @@ class DataConfig(Section):
     prompt_file: Optional[str] = opt(None, ".txt (one per line) or .jsonl with a 'prompt' field")
     prompt_set: str = opt("none", "a registered prompt set instead of prompts/prompt_file (shapes-train, "
                           "shapes-heldout) or module:function")
+    dataset: Optional[str] = opt(None, "a Hugging Face dataset of prompts: a local .parquet / .jsonl / .json / .csv / "
+                                 ".arrow file, a folder (save_to_disk, or data files), or a hub id")
+    split: str = opt("train", "data.dataset: the split to read")
+    prompt_column: str = opt("prompt", "data.dataset: the column holding the prompt")
+    metadata_columns: list[str] = opt([], "data.dataset: columns kept as each prompt's metadata (empty: all others)")
     sample_prompts: list[str] = opt([], "prompts of the sample grids (default: the first training prompts)")
     sample_seeds: list[int] = opt([0, 1, 2, 3], "seeds of the sample grids written during training")
 

@@ -56,6 +56,60 @@ def read_prompt_file(path: str | Path) -> tuple[list[str], list[dict]]:
     return prompts, meta
 
 
+DATASET_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
+
+
+def read_dataset(name: str, split: str = "train", prompt_column: str = "prompt",
+                 metadata_columns: list[str] | None = None) -> tuple[list[str], list[dict]]:
+    """Prompts and their metadata from a Hugging Face dataset.
+
+    Args:
+        name: a local data file (.parquet, .jsonl, .json, .csv, .arrow), a local folder (written by
+            ``Dataset.save_to_disk``, or holding data files), or a hub id (read only when the hub is reachable).
+        split: the split to read (a single data file is its ``train`` split).
+        prompt_column: the column with the prompts.
+        metadata_columns: the columns kept as metadata; None or empty: every other column.
+    Returns:
+        ``(prompts, metadata)``: N strings and N dicts.
+    """
+    import datasets
+
+    path = Path(name)
+    try:
+        if path.is_file():
+            builder = DATASET_BUILDERS.get(path.suffix)
+            if builder is None:
+                raise ConfigError(f"data.dataset: {path.suffix} files are not read; use one of "
+                                  f"{', '.join(DATASET_BUILDERS)}")
+            table = datasets.load_dataset(builder, data_files={split: str(path)}, split=split)
+        elif path.is_dir() and (path / "dataset_info.json").is_file():
+            table = datasets.load_from_disk(str(path))
+        elif path.is_dir() and (path / "dataset_dict.json").is_file():
+            table = datasets.load_from_disk(str(path))[split]
+        else:
+            table = datasets.load_dataset(str(path) if path.is_dir() else name, split=split)
+    except ConfigError:
+        raise
+    except (FileNotFoundError, ValueError, KeyError, ConnectionError) as exc:
+        raise ConfigError(f"data.dataset: cannot read {name!r} split {split!r} ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else exc!r})") from exc
+    columns = list(table.column_names)
+    if prompt_column not in columns:
+        raise ConfigError(f"data.prompt_column: {name} has no column {prompt_column!r} (its columns: "
+                          f"{', '.join(columns)})")
+    keep = list(metadata_columns or [c for c in columns if c != prompt_column])
+    missing = [c for c in keep if c not in columns]
+    if missing:
+        raise ConfigError(f"data.metadata_columns: {name} has no column {missing[0]!r} (its columns: "
+                          f"{', '.join(columns)})")
+    prompts = table[prompt_column]
+    if any(not isinstance(p, str) or not p.strip() for p in prompts):
+        raise ConfigError(f"data.dataset: every {prompt_column!r} must be a non-empty string in {name}")
+    meta_columns = {c: table[c] for c in keep}
+    metadata = [{c: meta_columns[c][i] for c in keep} for i in range(len(prompts))]
+    return list(prompts), metadata
+
+
 class PromptSource:
     """Yields ``n`` prompts per iteration: walks seeded permutations (epochs) of the prompt list, so that an
     iteration's prompts depend only on (seed, iteration) and resume is exact."""
@@ -71,11 +125,17 @@ class PromptSource:
 
     @classmethod
     def from_config(cls, data_cfg, seed: int, model_cfg=None) -> "PromptSource":
-        """data.prompt_set, data.prompt_file or data.prompts; a randomly initialised tiny model with none of them
+        """data.prompt_set, data.dataset, data.prompt_file or data.prompts; a randomly initialised tiny model with none of them
         gets a few short demo prompts, so `flowrl train` runs with no arguments."""
         default = DEFAULT_TINY_PROMPTS if model_cfg is not None and model_cfg.pretrained in (None, "", "tiny") else None
         if data_cfg.prompt_set != "none":
             return cls(prompt_set(data_cfg.prompt_set), None, seed)
+        if data_cfg.dataset:
+            prompts, meta = read_dataset(data_cfg.dataset, data_cfg.split, data_cfg.prompt_column,
+                                         data_cfg.metadata_columns)
+            if not prompts:
+                raise ConfigError(f"data.dataset: {data_cfg.dataset} split {data_cfg.split!r} holds no prompts")
+            return cls(prompts, meta, seed)
         if data_cfg.prompt_file:
             prompts, meta = read_prompt_file(data_cfg.prompt_file)
             if not prompts:
