@@ -293,13 +293,13 @@ def cmd_eval(args) -> int:
     """The config's held-out evaluation (log.eval; one JSON line) of the shipped model (no arguments: the main
     job's preset) or of a run's checkpoint; with
     --prompts / --reward, the papers' reward table (mean and std per metric) on a prompt file, also as CSV."""
-    from .evaluate import format_table, reward_table
+    from .evaluate import format_table, group_means, reward_table
     from .models import load_adapter
-    from .report import write_csv
+    from .report import atomic_write_bytes, save_grid, write_csv
     from .sampling import Sampler, resolve_device
 
     ckpt, cfg = _checkpoint_and_config(args, Path(DEFAULT_PRESET))
-    table_mode = bool(args.prompts or args.reward)
+    table_mode = bool(args.prompts or args.reward or args.dataset)
     if table_mode:  # everything that can fail on bad input before any sampling
         from .rundir import check_writable
 
@@ -308,7 +308,13 @@ def cmd_eval(args) -> int:
         from .prompts import prompt_set, read_prompt_file
         from .rewards import build_reward_set
 
-        if args.prompts:
+        if args.dataset:
+            from .prompts import read_dataset
+
+            prompts, metadata = read_dataset(args.dataset, args.dataset_split, args.prompt_column)
+            if args.limit:
+                prompts, metadata = prompts[:args.limit], metadata[:args.limit]
+        elif args.prompts:
             prompts, metadata = read_prompt_file(args.prompts)
             if not prompts:
                 raise FlowRLError(f"--prompts {args.prompts}: the file holds no prompts")
@@ -338,15 +344,24 @@ def cmd_eval(args) -> int:
         result.update(info)
         print(json.dumps(result))
         return 0
-    summary, samples = reward_table(sampler, prompts, metadata, seeds, reward_set, cfg.sampler.max_batch,
-                                    progress=cfg.log.progress)
+    grid_prompts = min(len(prompts), 8)
+    summary, samples, images = reward_table(sampler, prompts, metadata, seeds, reward_set, cfg.sampler.max_batch,
+                                            progress=cfg.log.progress, keep_images=grid_prompts)
     out = Path(args.csv)
     write_csv(out.with_name(out.stem + "_samples.csv"), samples)
     write_csv(out, summary)
+    grid = out.with_name(out.stem + "_grid.png")  # videos: frame strips, and a GIF and an MP4 beside it
+    save_grid(images, len(seeds), grid, row_labels=prompts[:grid_prompts])
     print(format_table(summary))
-    print(json.dumps({**info, "prompts": len(prompts), "seeds": seeds, "csv": str(out),
-                      "samples_csv": str(out.with_name(out.stem + "_samples.csv")),
-                      "metrics": {r["metric"]: [round(r["mean"], 6), round(r["std"], 6)] for r in summary}}))
+    report = {**info, "prompts": len(prompts), "seeds": seeds, "csv": str(out),
+              "samples_csv": str(out.with_name(out.stem + "_samples.csv")), "grid": str(grid),
+              "grid_rows": prompts[:grid_prompts],
+              "metrics": {r["metric"]: {"mean": r["mean"], "std": r["std"], "n": r["n"], "invalid": r["invalid"]}
+                          for r in summary}}
+    if args.group_by:  # a benchmark's own aggregate: the mean per task, and the overall mean of the task means
+        report["groups"] = group_means(samples, prompts, metadata, args.group_by, [r["metric"] for r in summary])
+    atomic_write_bytes(out.with_suffix(".json"), (json.dumps(report, indent=1) + "\n").encode())
+    print(json.dumps({**report, "summary": str(out.with_suffix(".json"))}))
     return 0
 
 
@@ -490,9 +505,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--cfg", type=float, help="guidance scale (default sampler.guidance_scale)")
     e.add_argument("--prompts", help="prompt file (.txt one per line, or .jsonl with 'prompt' and metadata): "
                    "print the reward table instead of the held-out evaluation")
+    e.add_argument("--dataset", help="a Hugging Face dataset of prompts (local file or folder, or hub id): print the "
+                   "reward table over it")
+    e.add_argument("--dataset-split", default="train", help="--dataset: the split to read")
+    e.add_argument("--prompt-column", default="prompt", help="--dataset: the column holding the prompts")
+    e.add_argument("--limit", type=positive_int, help="--dataset: only its first N prompts")
+    e.add_argument("--group-by", metavar="COLUMN", help="also report each metric's mean per value of this metadata "
+                   "column (GenEval's per-task scores) and the mean of those means (its overall score)")
     e.add_argument("--reward", action="append", help="reward to score with (repeatable; default: the config's)")
     e.add_argument("--reward-args", action="append", help="JSON keyword arguments for the matching --reward")
-    e.add_argument("--csv", default="eval.csv", help="summary CSV (per-image scores go to <name>_samples.csv)")
+    e.add_argument("--csv", default="eval.csv", help="summary CSV; per-image scores go to <name>_samples.csv, the "
+                   "summary as JSON to <name>.json, a grid of the first 8 prompts x seeds to <name>_grid.png")
     e.set_defaults(func=cmd_eval)
     ps = sub.add_parser("presets", help="list the shipped configs (usable by name from any folder)")
     ps.set_defaults(func=cmd_presets)

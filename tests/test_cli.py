@@ -96,7 +96,7 @@ def test_eval_reward_table_is_reproducible(tmp_path, capsys):
         rows = list(csv.DictReader(fh))
     assert len(rows) == 6 and rows[0]["seed"] == "0"
     bright = [float(r["brightness"]) for r in rows]
-    mean, std = outs[0]["metrics"]["brightness"]
+    mean, std = outs[0]["metrics"]["brightness"]["mean"], outs[0]["metrics"]["brightness"]["std"]
     assert abs(mean - sum(bright) / 6) < 1e-5
     assert abs(std - (sum((b - sum(bright) / 6) ** 2 for b in bright) / 5) ** 0.5) < 1e-5  # ddof 1
 

@@ -105,3 +105,31 @@ def test_dataset_mistakes_are_one_line(tmp_path):
     source = PromptSource.from_config(cfg.data, seed=0)
     prompts, meta = source.batch(0, 3)
     assert sorted(prompts) == sorted(r["prompt"] for r in ROWS) and all("tag" in m for m in meta)
+
+
+def test_flowrl_eval_on_a_dataset_with_two_rewards_writes_csv_summary_and_grid(tmp_path, capsys):
+    import csv
+
+    import datasets
+
+    from flowrl.cli import main
+
+    rows = [{"prompt": "a red circle on a blue background", "tag": "shape"},
+            {"prompt": "a green square on a white background", "tag": "shape"},
+            {"prompt": 'a sign that says "OK"', "tag": "text"}]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "p.parquet"))
+    out = tmp_path / "eval" / "t.csv"
+    code = main(["eval", "--dataset", str(tmp_path / "p.parquet"), "--reward", "jpeg_compressibility", "--reward",
+                 "ocr", "--seeds", "0,1", "--steps", "4", "--csv", str(out), "--group-by", "tag", "log.progress=false"])
+    assert code == 0
+    for name in ("t.csv", "t_samples.csv", "t.json", "t_grid.png"):
+        assert (tmp_path / "eval" / name).is_file(), name
+    per_image = list(csv.DictReader((tmp_path / "eval/t_samples.csv").open()))
+    assert len(per_image) == 6 and {"jpeg_compressibility", "ocr", "total"} <= set(per_image[0])
+    report = json.loads((tmp_path / "eval/t.json").read_text())
+    jpeg = [float(r["jpeg_compressibility"]) for r in per_image]
+    assert report["metrics"]["jpeg_compressibility"]["mean"] == pytest.approx(sum(jpeg) / 6)
+    shape, text = sum(jpeg[:4]) / 4, sum(jpeg[4:]) / 2  # prompt-major: two seeds per prompt
+    groups = report["groups"]
+    assert groups["groups"]["shape"]["jpeg_compressibility"] == pytest.approx(shape)
+    assert groups["overall"]["jpeg_compressibility"] == pytest.approx((shape + text) / 2)
