@@ -26,6 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+
+from .registry import register_reward
 
 THRESHOLD, COUNTING_THRESHOLD, MAX_OBJECTS, POSITION_THRESHOLD = 0.3, 0.9, 16, 0.1
 COLORS = ["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white"]
@@ -125,3 +128,120 @@ def classes_of(metadata: dict) -> list[str]:
     """The object classes a prompt's clauses name (the detector's text queries)."""
     names = [r["class"] for r in metadata.get("include", []) + metadata.get("exclude", [])]
     return list(dict.fromkeys(names))
+
+
+class ColorClassifier:
+    """GenEval's colour rule: CLIP zero-shot over each detection's crop, the colour names in three templates
+    ("a photo of a {c} {class}", "a photo of a {c}-colored {class}", "a photo of a {c} object"), their normalised
+    text embeddings averaged per colour.
+
+    Args:
+        clip: a :class:`flowrl.rewards.clip.ClipScore` (GenEval's is open_clip ViT-L-14, pretrained openai).
+    """
+
+    def __init__(self, clip):
+        self.clip = clip
+        self._text: dict[str, torch.Tensor] = {}
+
+    def _colour_embeddings(self, name: str):
+        if name not in self._text:
+            templates = (f"a photo of a {{c}} {name}", f"a photo of a {{c}}-colored {name}", "a photo of a {c} object")
+            per_colour = []
+            for colour in COLORS:
+                e = self.clip.embed_text([t.format(c=colour) for t in templates]).mean(0)
+                per_colour.append(e / e.norm())
+            self._text[name] = torch.stack(per_colour)  # (10, D)
+        return self._text[name]
+
+    def __call__(self, image, name: str, found: list[Detection]) -> list[str]:
+        """Args:
+            image: (3, H, W) in [0, 1].
+            name: the class.
+            found: its detections.
+        Returns:
+            One colour name per detection.
+        """
+        import torch.nn.functional as F
+
+        h, w = image.shape[-2:]
+        crops = []
+        for d in found:
+            x0, y0, x1, y1 = (int(round(v)) for v in d.box)
+            x0, y0 = min(max(x0, 0), w - 1), min(max(y0, 0), h - 1)
+            x1, y1 = max(min(x1, w), x0 + 1), max(min(y1, h), y0 + 1)
+            crop = image[:, y0:y1, x0:x1]
+            crops.append(F.interpolate(crop[None], size=(h, w), mode="bilinear", align_corners=False)[0])
+        sims = self.clip.embed_images(torch.stack(crops)) @ self._colour_embeddings(name).T  # (n, 10)
+        return [COLORS[i] for i in sims.argmax(1).tolist()]
+
+
+@register_reward("geneval")
+class GenEvalReward:
+    """GenEval's verdict as a reward: an open-vocabulary detector from transformers (OWLv2 / OWL-ViT, by hub id
+    or local folder) queried with the classes of each prompt's metadata, the colour rule on CLIP, and
+    :func:`check`.
+
+    Args:
+        detector: the detector's folder or hub id.
+        clip_model, clip_pretrained: the colour classifier (the ``clip`` reward's ``model`` / ``pretrained``;
+            default the embedded tiny CLIP, GenEval's own is ViT-L-14 / openai).
+        score: ``strict`` (1 when every clause holds, else 0; GenEval's accuracy) or ``partial`` (the fraction
+            of clauses that hold).
+        device: where the detector and CLIP run.
+    """
+
+    def __init__(self, detector: str = "google/owlv2-base-patch16-ensemble", clip_model: str = "tiny-shapes",
+                 clip_pretrained: str | None = None, score: str = "strict", device: str = "cpu",
+                 threshold: float = THRESHOLD, counting_threshold: float = COUNTING_THRESHOLD):
+        from transformers import AutoModelForZeroShotObjectDetection, AutoProcessor
+
+        from flowrl.errors import RewardError
+
+        from .clip import ClipScore
+
+        if score not in ("strict", "partial"):
+            raise RewardError(f"geneval reward: score must be strict or partial, not {score!r}")
+        try:
+            self.processor = AutoProcessor.from_pretrained(detector)
+            self.detector = AutoModelForZeroShotObjectDetection.from_pretrained(detector).to(device).eval()
+        except OSError as exc:
+            raise RewardError(f"geneval reward: cannot load the detector {detector!r} (a local folder, or a hub id "
+                              f"where the hub is reachable): {str(exc).splitlines()[0]}") from exc
+        self.colors = ColorClassifier(ClipScore(model=clip_model, pretrained=clip_pretrained, device=device))
+        self.score, self.device = score, torch.device(device)
+        self.threshold, self.counting_threshold = threshold, counting_threshold
+
+    def detect(self, image, names: list[str]) -> list[Detection]:
+        """Detections of the named classes in one (3, H, W) image in [0, 1]."""
+        h, w = image.shape[-2:]
+        pixels = (image.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        inputs = self.processor(text=[[f"a photo of a {n}" for n in names]], images=[pixels], return_tensors="pt")
+        with torch.no_grad():
+            out = self.detector(**inputs.to(self.device))
+        result = self.processor.post_process_grounded_object_detection(
+            out, threshold=0.0, target_sizes=torch.tensor([[h, w]]))[0]
+        return [Detection(tuple(float(v) for v in box), float(s), names[int(label)])
+                for box, s, label in zip(result["boxes"].tolist(), result["scores"].tolist(),
+                                         result["labels"].tolist())]
+
+    def __call__(self, images, prompts: list[str], metadata=None):
+        """Args:
+            images: (N, 3, H, W) in [0, 1].
+            prompts: N prompts.
+            metadata: N GenEval metadata dicts (``tag``, ``include``, ``exclude``); a prompt without clauses
+                is NaN (masked and counted).
+        Returns:
+            (N,) scores: 1 / 0 (strict) or the fraction of clauses that hold (partial).
+        """
+        scores = []
+        for image, meta in zip(images, metadata or [{}] * len(prompts)):
+            names = classes_of(meta or {})
+            if not names:
+                scores.append(math.nan)
+                continue
+            objects = keep_detections(self.detect(image, names), meta.get("tag", ""), self.threshold,
+                                      self.counting_threshold)
+            correct, _, partial = check(objects, meta, lambda n, found, im=image: self.colors(im, n, found))
+            scores.append(float(correct) if self.score == "strict" else partial)
+        return torch.tensor(scores, dtype=torch.float32)
+

@@ -87,3 +87,45 @@ def test_only_the_most_confident_count_are_checked_for_colour():
                      colours)
     assert ok and seen == [[0.99]]
     assert math.isnan(check({}, {})[2])
+
+
+@pytest.fixture(scope="module")
+def tiny_owlv2(tmp_path_factory):
+    """A randomly initialised OWLv2 of the real architecture at tiny size, saved as a local folder."""
+    import torch
+    from transformers import Owlv2Config, Owlv2ForObjectDetection, Owlv2ImageProcessor, Owlv2Processor
+
+    from flowrl.tokenizer import build_clip_tokenizer
+
+    folder = tmp_path_factory.mktemp("owlv2")
+    cfg = Owlv2Config(text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                       vocab_size=49408, max_position_embeddings=16),
+                      vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, image_size=64, patch_size=16), projection_dim=32)
+    torch.manual_seed(0)
+    Owlv2ForObjectDetection(cfg).save_pretrained(folder)
+    Owlv2Processor(image_processor=Owlv2ImageProcessor(size={"height": 64, "width": 64}),
+                   tokenizer=build_clip_tokenizer(16)).save_pretrained(folder)
+    return folder
+
+
+def test_the_detector_backed_reward_runs_end_to_end(tiny_owlv2):
+    import torch
+
+    from flowrl.rewards import build_reward
+
+    reward = build_reward("geneval", detector=str(tiny_owlv2), threshold=0.0)
+    images = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    metadata = [{"tag": "single_object", "include": [{"class": "dog", "count": 1}]},
+                {"tag": "single_object", "include": [{"class": "dog", "count": 17}]},  # more than 16 boxes exist
+                {"tag": "colors", "include": [{"class": "dog", "count": 1, "color": "red"}]},
+                {}]
+    scores = reward(images, ["a dog"] * 4, metadata)
+    # the tiny detector has 16 boxes, all of the one queried class, kept at threshold 0: one dog is there,
+    # seventeen are not; the colour verdict is the tiny CLIP's, 0 or 1; no clauses: not scored
+    assert scores[:2].tolist() == [1.0, 0.0] and scores[2].item() in (0.0, 1.0) and math.isnan(scores[3].item())
+    boxes = reward.detect(images[0], ["dog", "cat"])
+    assert len(boxes) == 16 and {d.label for d in boxes} <= {"dog", "cat"}
+    partial = build_reward("geneval", detector=str(tiny_owlv2), threshold=0.0, score="partial")
+    two = {"tag": "two_object", "include": [{"class": "dog", "count": 1}, {"class": "cat", "count": 17}]}
+    assert partial(images[:1], ["a dog and a cat"], [two]).item() == pytest.approx(0.5)
