@@ -601,6 +601,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = _build(Config, data)
     if cfg.data.prompt_file:
         cfg.data.prompt_file = str(_resolve_data_path(cfg.data.prompt_file, path))
+    if cfg.data.dataset and any(cfg.data.dataset.endswith(s) for s in (".parquet", ".jsonl", ".json", ".csv", ".arrow")):
+        cfg.data.dataset = str(_resolve_data_path(cfg.data.dataset, path))  # a file: found as prompt files are
     validate(cfg)
     return cfg
 

@@ -89,7 +89,7 @@ def check(objects: dict[str, list[Detection]], metadata: dict,
     reasons: list[str] = []
     matched: list[list[Detection] | None] = []
     clauses = held = 0
-    for req in metadata.get("include", []):
+    for req in (metadata.get("include") or []):
         clauses += 1
         name, count = req["class"], req["count"]
         found = objects.get(name, [])[:count]
@@ -114,7 +114,7 @@ def check(objects: dict[str, list[Detection]], metadata: dict,
                 reasons.append(f"expected {name} {relation} the target")
         matched.append(found if ok else None)
         held += ok
-    for req in metadata.get("exclude", []):
+    for req in (metadata.get("exclude") or []):
         clauses += 1
         n = len(objects.get(req["class"], []))
         if n >= req["count"]:
@@ -126,7 +126,7 @@ def check(objects: dict[str, list[Detection]], metadata: dict,
 
 def classes_of(metadata: dict) -> list[str]:
     """The object classes a prompt's clauses name (the detector's text queries)."""
-    names = [r["class"] for r in metadata.get("include", []) + metadata.get("exclude", [])]
+    names = [r["class"] for r in (metadata.get("include") or []) + (metadata.get("exclude") or [])]
     return list(dict.fromkeys(names))
 
 

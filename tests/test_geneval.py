@@ -87,6 +87,8 @@ def test_only_the_most_confident_count_are_checked_for_colour():
                      colours)
     assert ok and seen == [[0.99]]
     assert math.isnan(check({}, {})[2])
+    # a dataset fills a column a row lacks with None (GenEval's rows without exclude clauses)
+    assert check({"car": dets[:1]}, {"include": [{"class": "car", "count": 1}], "exclude": None})[0]
 
 
 @pytest.fixture(scope="module")
