@@ -298,39 +298,12 @@ def cmd_eval(args) -> int:
     from .report import atomic_write_bytes, save_grid, write_csv
     from .sampling import Sampler, resolve_device
 
+    if args.compare:
+        return _eval_compare(args)
     ckpt, cfg = _checkpoint_and_config(args, Path(DEFAULT_PRESET))
     table_mode = bool(args.prompts or args.reward or args.dataset)
     if table_mode:  # everything that can fail on bad input before any sampling
-        from .rundir import check_writable
-
-        check_writable(Path(args.csv), "--csv")
-        from .config import RewardSpec
-        from .prompts import prompt_set, read_prompt_file
-        from .rewards import build_reward_set
-
-        if args.dataset:
-            from .prompts import read_dataset
-
-            prompts, metadata = read_dataset(args.dataset, args.dataset_split, args.prompt_column)
-            if args.limit:
-                prompts, metadata = prompts[:args.limit], metadata[:args.limit]
-        elif args.prompts:
-            prompts, metadata = read_prompt_file(args.prompts)
-            if not prompts:
-                raise FlowRLError(f"--prompts {args.prompts}: the file holds no prompts")
-        else:
-            prompts = prompt_set(_split_name(args.split, cfg))
-            metadata = [{} for _ in prompts]
-        try:
-            reward_args = [json.loads(a) for a in (args.reward_args or [])]
-        except json.JSONDecodeError as exc:
-            raise FlowRLError(f"--reward-args must be JSON objects ({exc.msg})") from exc
-        names = args.reward or []
-        if len(reward_args) > len(names):
-            raise FlowRLError("--reward-args: one per --reward, in the same order")
-        specs = ([RewardSpec(name=n, args=reward_args[i] if i < len(reward_args) else {}) for i, n in enumerate(names)]
-                 or cfg.rewards)
-        reward_set = build_reward_set(specs)
+        prompts, metadata, reward_set = _table_inputs(args, cfg)
     seeds = parse_seeds(args.seeds) if args.seeds else cfg.log.eval_seeds
     evaluator = None if table_mode else _evaluator(cfg)
     adapter = load_adapter(cfg.model, resolve_device(cfg.device))
@@ -360,6 +333,116 @@ def cmd_eval(args) -> int:
                           for r in summary}}
     if args.group_by:  # a benchmark's own aggregate: the mean per task, and the overall mean of the task means
         report["groups"] = group_means(samples, prompts, metadata, args.group_by, [r["metric"] for r in summary])
+    atomic_write_bytes(out.with_suffix(".json"), (json.dumps(report, indent=1) + "\n").encode())
+    print(json.dumps({**report, "summary": str(out.with_suffix(".json"))}))
+    return 0
+
+
+def _table_inputs(args, cfg):
+    """The reward table's prompts, metadata and rewards from --dataset / --prompts / the evaluator's split (else the
+    config's own prompts) and --reward (else the config's rewards); bad input fails here, before any model loads."""
+    from .config import RewardSpec
+    from .prompts import prompt_set, read_prompt_file
+    from .rewards import build_reward_set
+    from .rundir import check_writable
+
+    check_writable(Path(args.csv), "--csv")
+    if args.dataset:
+        from .prompts import read_dataset
+
+        prompts, metadata = read_dataset(args.dataset, args.dataset_split, args.prompt_column)
+        if args.limit:
+            prompts, metadata = prompts[:args.limit], metadata[:args.limit]
+    elif args.prompts:
+        prompts, metadata = read_prompt_file(args.prompts)
+        if not prompts:
+            raise FlowRLError(f"--prompts {args.prompts}: the file holds no prompts")
+    elif cfg.log.eval != "none":
+        prompts = prompt_set(_split_name(args.split, cfg))
+        metadata = [{} for _ in prompts]
+    else:  # no evaluator to name a held-out set: the config's own prompts
+        from .prompts import PromptSource
+
+        source = PromptSource.from_config(cfg.data, cfg.train.seed, cfg.model)
+        prompts, metadata = source.prompts, source.metadata
+    try:
+        reward_args = [json.loads(a) for a in (args.reward_args or [])]
+    except json.JSONDecodeError as exc:
+        raise FlowRLError(f"--reward-args must be JSON objects ({exc.msg})") from exc
+    names = args.reward or []
+    if len(reward_args) > len(names):
+        raise FlowRLError("--reward-args: one per --reward, in the same order")
+    specs = ([RewardSpec(name=n, args=reward_args[i] if i < len(reward_args) else {}) for i, n in enumerate(names)]
+             or cfg.rewards)
+    return prompts, metadata, build_reward_set(specs)
+
+
+def _eval_compare(args) -> int:
+    """``flowrl eval --compare A B ...``: the same prompts, seeds and rewards on each run's weights (or ``base``, the
+    first run's starting model), side by side: per metric each one's mean, and each one's paired difference from
+    the first with its standard error; a CSV, a JSON summary and one grid with a column block per run."""
+    import torch
+
+    from .checkpoint import find_checkpoint
+    from .config import load_config
+    from .evaluate import format_table, reward_table
+    from .models import load_adapter
+    from .report import atomic_write_bytes, save_grid, write_csv
+    from .sampling import Sampler, resolve_device
+
+    if len(args.compare) < 2:
+        raise FlowRLError("--compare needs two or more runs (a run directory, a checkpoint folder, or base)")
+    if args.checkpoint:
+        raise FlowRLError("--compare names the runs itself; leave out --checkpoint")
+    entries = []  # (label, checkpoint or None, config)
+    first = next((c for c in args.compare if c != "base"), None)
+    if first is None:
+        raise FlowRLError("--compare: name at least one run besides base")
+    base_ckpt = find_checkpoint(first, None)
+    for name in args.compare:
+        ckpt = None if name == "base" else find_checkpoint(name, None)
+        source = ckpt or base_ckpt
+        cfg = load_config(args.config or source.parent.parent / "config.yaml", args.overrides)
+        label = "base" if ckpt is None else Path(name).name
+        entries.append((label, ckpt, cfg))
+    prompts, metadata, reward_set = _table_inputs(args, entries[0][2])
+    seeds = parse_seeds(args.seeds) if args.seeds else entries[0][2].log.eval_seeds
+    grid_prompts = min(len(prompts), 8)
+    per_run = []
+    for label, ckpt, cfg in entries:
+        adapter = load_adapter(cfg.model, resolve_device(cfg.device))
+        if ckpt is not None:
+            _load_checkpoint_into(adapter, cfg, ckpt)
+        sampler = Sampler(cfg, adapter, num_steps=args.steps, guidance_scale=args.cfg)
+        summary, samples, images = reward_table(sampler, prompts, metadata, seeds, reward_set,
+                                                cfg.sampler.max_batch, progress=cfg.log.progress,
+                                                keep_images=grid_prompts)
+        print(f"{label}:\n{format_table(summary)}")
+        per_run.append((label, summary, samples, images))
+    metrics = [r["metric"] for r in per_run[0][1]]
+    rows = []
+    for m in metrics:
+        row = {"metric": m}
+        first_scores = torch.tensor([s[m] for s in per_run[0][2]], dtype=torch.float64)
+        for label, summary, samples, _ in per_run:
+            scores = torch.tensor([s[m] for s in samples], dtype=torch.float64)
+            row[f"{label} mean"] = next(r["mean"] for r in summary if r["metric"] == m)
+            if label != per_run[0][0]:
+                diff = scores - first_scores  # paired: the same prompt and seed
+                diff = diff[torch.isfinite(diff)]
+                row[f"{label} - {per_run[0][0]}"] = float(diff.mean()) if diff.numel() else float("nan")
+                row[f"{label} - {per_run[0][0]} se"] = (float(diff.std() / diff.numel() ** 0.5) if diff.numel() > 1
+                                                        else float("nan"))
+        rows.append(row)
+    out = Path(args.csv)
+    write_csv(out, rows)
+    runs, s = len(per_run), len(seeds)
+    blocks = [images.view(grid_prompts, s, *images.shape[1:]) for _, _, _, images in per_run]
+    grid = out.with_name(out.stem + "_grid.png")  # one row per prompt: each run's seeds side by side
+    save_grid(torch.cat(blocks, dim=1).reshape(grid_prompts * runs * s, *images.shape[1:]), runs * s, grid,
+              row_labels=prompts[:grid_prompts], title=" | ".join(label for label, *_ in per_run))
+    report = {"runs": [label for label, *_ in per_run], "prompts": len(prompts), "seeds": seeds, "csv": str(out),
+              "grid": str(grid), "metrics": rows}
     atomic_write_bytes(out.with_suffix(".json"), (json.dumps(report, indent=1) + "\n").encode())
     print(json.dumps({**report, "summary": str(out.with_suffix(".json"))}))
     return 0
@@ -510,6 +593,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dataset-split", default="train", help="--dataset: the split to read")
     e.add_argument("--prompt-column", default="prompt", help="--dataset: the column holding the prompts")
     e.add_argument("--limit", type=positive_int, help="--dataset: only its first N prompts")
+    e.add_argument("--compare", nargs="+", metavar="RUN", help="two or more run directories, checkpoint folders or "
+                   "base (the first run's starting model): the reward table of each on the same prompts and seeds, "
+                   "side by side, with paired differences from the first")
     e.add_argument("--group-by", metavar="COLUMN", help="also report each metric's mean per value of this metadata "
                    "column (GenEval's per-task scores) and the mean of those means (its overall score)")
     e.add_argument("--reward", action="append", help="reward to score with (repeatable; default: the config's)")

@@ -133,3 +133,23 @@ def test_flowrl_eval_on_a_dataset_with_two_rewards_writes_csv_summary_and_grid(t
     groups = report["groups"]
     assert groups["groups"]["shape"]["jpeg_compressibility"] == pytest.approx(shape)
     assert groups["overall"]["jpeg_compressibility"] == pytest.approx((shape + text) / 2)
+
+
+def test_flowrl_eval_compare_puts_runs_side_by_side_with_paired_differences(tmp_path):
+    import csv
+
+    from flowrl.cli import main
+
+    root = tmp_path / "runs"
+    assert main(["train", f"log.output_dir={root}", "log.run_name=a", "train.iterations=2", "log.save_every=1",
+                 "log.sample_every=0", "sampler.num_steps=4", "train.prompts_per_iter=2", "log.progress=false",
+                 "train.lr=5e-2"]) == 0
+    out = tmp_path / "cmp" / "c.csv"
+    assert main(["eval", "--compare", "base", str(root / "a"), "--reward", "jpeg_compressibility", "--seeds", "0,1",
+                 "--csv", str(out), "log.progress=false"]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [r["metric"] for r in rows] == ["jpeg_compressibility"]
+    base, trained = float(rows[0]["base mean"]), float(rows[0]["a mean"])
+    assert float(rows[0]["a - base"]) == pytest.approx(trained - base, abs=1e-6)  # every pair scored: means differ
+    assert float(rows[0]["a - base se"]) >= 0 and (tmp_path / "cmp/c_grid.png").is_file()
+    assert json.loads((tmp_path / "cmp/c.json").read_text())["runs"] == ["base", "a"]
