@@ -18,17 +18,16 @@ Checkpoints saved with either transformers layout of Qwen2-VL (``model.layers`` 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from flowrl.errors import RewardError
 
-from .loading import check_images, load_strict, read_state_dict, resolve_file, resolve_pretrained_dir, to_pil
+from .loading import check_images, resolve_file, resolve_pretrained_dir, to_pil
+from .qwen_vl import load_reward_model, resized_side
 from .registry import register_reward
 
 REWARD_TOKEN = "<|Reward|>"
-PIXELS = 256 * 28 * 28  # HPSv3's min_pixels = max_pixels
+
 INSTRUCTION = """You are tasked with evaluating a generated image based on Visual Quality and Text Alignment and give a overall score to estimate the human preference.
 Please provide a rating from 0 to 10, with 0 being the worst and 10 being the best.
 
@@ -53,62 +52,6 @@ Textual prompt - {text_prompt}
 REQUEST = " Please provide the overall ratings of this image: <|Reward|> END "
 
 
-def resized_side(height: int, width: int, pixels: int = PIXELS, factor: int = 28) -> tuple[int, int]:
-    """Qwen2-VL's resize rule with min_pixels = max_pixels = ``pixels``: sides rounded to multiples of ``factor``,
-    scaled (down, floored; or up, ceiled) so that the area meets the bound."""
-    h = max(factor, round(height / factor) * factor)
-    w = max(factor, round(width / factor) * factor)
-    if h * w > pixels:
-        beta = math.sqrt(height * width / pixels)
-        h, w = math.floor(height / beta / factor) * factor, math.floor(width / beta / factor) * factor
-    elif h * w < pixels:
-        beta = math.sqrt(pixels / (height * width))
-        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h, w
-
-
-class HPSv3Model(torch.nn.Module):
-    """Qwen2-VL (without its language-model head) and HPSv3's reward head, read at the reward token."""
-
-    def __init__(self, config):
-        super().__init__()
-        from transformers import Qwen2VLModel
-
-        self.backbone = Qwen2VLModel(config)
-        hidden = config.text_config.hidden_size if hasattr(config, "text_config") else config.hidden_size
-        self.rm_head = torch.nn.Sequential(torch.nn.Linear(hidden, 1024), torch.nn.ReLU(), torch.nn.Dropout(0.05),
-                                           torch.nn.Linear(1024, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-
-    def forward(self, inputs: dict, reward_token_id: int) -> torch.Tensor:
-        """Args:
-            inputs: the processor's batch (input_ids (B, L), attention_mask, pixel_values, image_grid_thw).
-            reward_token_id: the id of ``<|Reward|>``; each row holds it once.
-        Returns:
-            (B, 2): the Gaussian's mean and log-std per image.
-        """
-        hidden = self.backbone(**inputs).last_hidden_state  # (B, L, h)
-        logits = self.rm_head(hidden.float())  # (B, L, 2)
-        at = inputs["input_ids"] == reward_token_id
-        if not torch.equal(at.sum(1), torch.ones_like(at.sum(1))):
-            raise RewardError("hpsv3: every input must hold the reward token exactly once")
-        return logits[at]  # (B, 2), one position per row
-
-
-def remap_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HPSv3.safetensors' names (either transformers layout of Qwen2-VL) -> :class:`HPSv3Model`'s."""
-    out = {}
-    for key, value in state.items():
-        if key.startswith("lm_head."):
-            continue  # the language-model head is not used for scoring
-        for old, new in (("model.language_model.", "backbone.language_model."), ("model.visual.", "backbone.visual."),
-                         ("model.", "backbone.language_model."), ("visual.", "backbone.visual.")):
-            if key.startswith(old):
-                key = new + key[len(old):]
-                break
-        out[key] = value
-    return out
-
-
 @register_reward("hpsv3")
 class HPSv3:
     """Args:
@@ -122,12 +65,7 @@ class HPSv3:
 
     def __init__(self, checkpoint: str | None = None, base: str = "Qwen/Qwen2-VL-7B-Instruct", device: str = "cpu",
                  dtype: str = "bf16", batch_size: int = 4):
-        from transformers import AutoConfig, AutoProcessor
-
-        try:  # random initialisation of 8B parameters that the checkpoint overwrites anyway: skipped
-            from transformers.initialization import no_init_weights
-        except ImportError:  # transformers 4
-            from transformers.modeling_utils import no_init_weights
+        from transformers import AutoProcessor
 
         if dtype not in ("bf16", "fp32"):
             raise RewardError(f"hpsv3: dtype must be bf16 or fp32, not {dtype!r}")
@@ -138,9 +76,7 @@ class HPSv3:
         if REWARD_TOKEN not in tok.get_vocab():
             tok.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
         self.reward_id = tok.convert_tokens_to_ids(REWARD_TOKEN)
-        with no_init_weights():
-            model = HPSv3Model(AutoConfig.from_pretrained(folder))
-        load_strict(model, remap_keys(read_state_dict(weights)), str(weights))
+        model = load_reward_model(folder, weights, "ranknet", 2)
         self.device = torch.device(device)
         if dtype == "bf16":
             model.backbone.to(torch.bfloat16)
@@ -170,5 +106,5 @@ class HPSv3:
             pils = [p.resize(resized_side(p.height, p.width)[::-1], Image.BICUBIC) for p in pils]
             texts = [self.text(p) for p in prompts[start:start + self.batch_size]]
             batch = self.processor(text=texts, images=pils, padding=True, return_tensors="pt").to(self.device)
-            scores.append(self.model(dict(batch), self.reward_id)[:, 0].float().cpu())
+            scores.append(self.model(dict(batch), [self.reward_id])[:, 0, 0].float().cpu())
         return torch.cat(scores)

@@ -14,7 +14,7 @@ def build_tiny_hpsv3(folder):
     from transformers import Qwen2VLConfig, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
     from flowrl.models.tiny import build_tiny_byte_level_tokenizer
-    from flowrl.rewards.hpsv3 import HPSv3Model
+    from flowrl.rewards.qwen_vl import QwenVLRewardModel
 
     tok = build_tiny_byte_level_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
@@ -33,7 +33,7 @@ def build_tiny_hpsv3(folder):
         vision_start_token_id=ids("<|vision_start|>"))
     cfg.save_pretrained(folder)
     torch.manual_seed(0)
-    model = HPSv3Model(cfg)
+    model = QwenVLRewardModel(cfg)
     released = {}
     for key, value in model.state_dict().items():  # back to the released names
         key = key.replace("backbone.language_model.", "model.").replace("backbone.visual.", "visual.")
@@ -51,7 +51,8 @@ def tiny(tmp_path_factory):
 
 def test_hpsv3_loads_a_local_tiny_model_and_scores_the_reward_token(tiny):
     from flowrl.rewards import build_reward
-    from flowrl.rewards.hpsv3 import REWARD_TOKEN, resized_side
+    from flowrl.rewards.hpsv3 import REWARD_TOKEN
+    from flowrl.rewards.qwen_vl import resized_side
 
     folder, model = tiny
     reward = build_reward("hpsv3", checkpoint=str(folder), base=str(folder), dtype="fp32")
@@ -74,7 +75,7 @@ def test_hpsv3_loads_a_local_tiny_model_and_scores_the_reward_token(tiny):
 
 
 def test_the_resize_rule_by_hand():
-    from flowrl.rewards.hpsv3 import resized_side
+    from flowrl.rewards.qwen_vl import resized_side
 
     assert resized_side(448, 448) == (448, 448)  # 16 x 16 patches of 28: exactly 256 * 28 * 28 pixels
     assert resized_side(1024, 1024) == (448, 448)  # scaled down, floored to multiples of 28
@@ -91,5 +92,5 @@ def test_a_checkpoint_of_another_layout_is_refused_in_one_line(tiny, tmp_path):
 
     folder, _ = tiny
     save_file({"rm_head.0.weight": torch.zeros(1024, 32)}, str(tmp_path / "HPSv3.safetensors"))
-    with pytest.raises(RewardError, match="does not match the HPSv3Model layout: .* missing keys"):
+    with pytest.raises(RewardError, match="does not match the QwenVLRewardModel layout: .* missing keys"):
         build_reward("hpsv3", checkpoint=str(tmp_path), base=str(folder), dtype="fp32")

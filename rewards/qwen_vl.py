@@ -1,0 +1,98 @@
+"""Reward models on a Qwen2-VL backbone (HPSv3, VideoReward): the backbone without its language-model head, a reward
+head read at special tokens, checkpoint loading in either transformers layout, and Qwen2-VL's resize rule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flowrl.errors import RewardError
+
+from .loading import load_strict, read_state_dict
+
+PIXELS = 256 * 28 * 28  # min_pixels = max_pixels of HPSv3's images and VideoReward's frames
+
+
+def resized_side(height: int, width: int, pixels: int = PIXELS, factor: int = 28) -> tuple[int, int]:
+    """Qwen2-VL's resize rule with min_pixels = max_pixels = ``pixels``: sides rounded to multiples of ``factor``,
+    scaled (down, floored; or up, ceiled) so that the area meets the bound."""
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > pixels:
+        beta = math.sqrt(height * width / pixels)
+        h, w = math.floor(height / beta / factor) * factor, math.floor(width / beta / factor) * factor
+    elif h * w < pixels:
+        beta = math.sqrt(pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+class QwenVLRewardModel(torch.nn.Module):
+    """Qwen2-VL (without its language-model head) and a reward head read at special tokens: HPSv3's ``ranknet``
+    head (Linear(h, 1024), ReLU, Dropout, Linear(1024, 16), ReLU, Linear(16, outputs)) or VideoReward's plain
+    ``linear`` head (Linear(h, outputs), no bias), both in fp32."""
+
+    def __init__(self, config, head: str = "ranknet", outputs: int = 2):
+        super().__init__()
+        from transformers import Qwen2VLModel
+
+        self.backbone = Qwen2VLModel(config)
+        hidden = config.text_config.hidden_size if hasattr(config, "text_config") else config.hidden_size
+        if head == "ranknet":
+            self.rm_head = torch.nn.Sequential(torch.nn.Linear(hidden, 1024), torch.nn.ReLU(), torch.nn.Dropout(0.05),
+                                               torch.nn.Linear(1024, 16), torch.nn.ReLU(), torch.nn.Linear(16, outputs))
+        else:
+            self.rm_head = torch.nn.Linear(hidden, outputs, bias=False)
+
+    def forward(self, inputs: dict, token_ids: list[int]) -> torch.Tensor:
+        """Args:
+            inputs: the processor's batch (input_ids (B, L), attention_mask, pixel values and grids).
+            token_ids: the reward tokens' ids, K of them; each row holds each exactly once.
+        Returns:
+            (B, K, outputs): the head at each reward token, in the order of ``token_ids``.
+        """
+        hidden = self.backbone(**inputs).last_hidden_state  # (B, L, h)
+        logits = self.rm_head(hidden.float())  # (B, L, outputs)
+        picked = []
+        for tid in token_ids:
+            at = inputs["input_ids"] == tid
+            if not torch.equal(at.sum(1), torch.ones_like(at.sum(1))):
+                raise RewardError("every input must hold each reward token exactly once")
+            picked.append(logits[at])  # (B, outputs)
+        return torch.stack(picked, dim=1)
+
+
+def remap_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Qwen2-VL reward checkpoint's names (either transformers layout) -> :class:`QwenVLRewardModel`'s."""
+    out = {}
+    for key, value in state.items():
+        if key.startswith("lm_head."):
+            continue  # the language-model head is not used for scoring
+        for old, new in (("model.language_model.", "backbone.language_model."), ("model.visual.", "backbone.visual."),
+                         ("model.", "backbone.language_model."), ("visual.", "backbone.visual.")):
+            if key.startswith(old):
+                key = new + key[len(old):]
+                break
+        out[key] = value
+    return out
+
+
+def load_reward_model(config_folder: str, weights, head: str, outputs: int) -> QwenVLRewardModel:
+    """A :class:`QwenVLRewardModel` of the folder's architecture with the checkpoint's weights (either transformers
+    layout; a language model whose vocabulary was resized for the reward tokens keeps the checkpoint's size)."""
+    from transformers import AutoConfig
+
+    try:  # random initialisation of billions of parameters that the checkpoint overwrites anyway: skipped
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4
+        from transformers.modeling_utils import no_init_weights
+    with no_init_weights():
+        model = QwenVLRewardModel(AutoConfig.from_pretrained(config_folder), head, outputs)
+    state = remap_keys(read_state_dict(weights))
+    embed = state.get("backbone.language_model.embed_tokens.weight")
+    current = model.backbone.language_model.embed_tokens
+    if embed is not None and embed.shape != current.weight.shape and embed.shape[1] == current.weight.shape[1]:
+        model.backbone.language_model.embed_tokens = torch.nn.Embedding(*embed.shape, padding_idx=current.padding_idx)
+    load_strict(model, state, str(weights))
+    return model
