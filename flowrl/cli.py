@@ -293,7 +293,7 @@ def cmd_eval(args) -> int:
     """The config's held-out evaluation (log.eval; one JSON line) of the shipped model (no arguments: the main
     job's preset) or of a run's checkpoint; with
     --prompts / --reward, the papers' reward table (mean and std per metric) on a prompt file, also as CSV."""
-    from .evaluate import format_table, group_means, reward_table
+    from .evaluate import format_table, group_means, per_prompt_means, reward_table
     from .models import load_adapter
     from .report import atomic_write_bytes, save_grid, write_csv
     from .sampling import Sampler, resolve_device
@@ -322,12 +322,14 @@ def cmd_eval(args) -> int:
                                             progress=cfg.log.progress, keep_images=grid_prompts)
     out = Path(args.csv)
     write_csv(out.with_name(out.stem + "_samples.csv"), samples)
+    write_csv(out.with_name(out.stem + "_prompts.csv"), per_prompt_means(samples, [r["metric"] for r in summary]))
     write_csv(out, summary)
     grid = out.with_name(out.stem + "_grid.png")  # videos: frame strips, and a GIF and an MP4 beside it
     save_grid(images, len(seeds), grid, row_labels=prompts[:grid_prompts])
     print(format_table(summary))
     report = {**info, "prompts": len(prompts), "seeds": seeds, "csv": str(out),
-              "samples_csv": str(out.with_name(out.stem + "_samples.csv")), "grid": str(grid),
+              "samples_csv": str(out.with_name(out.stem + "_samples.csv")),
+              "prompts_csv": str(out.with_name(out.stem + "_prompts.csv")), "grid": str(grid),
               "grid_rows": prompts[:grid_prompts],
               "metrics": {r["metric"]: {"mean": r["mean"], "std": r["std"], "n": r["n"], "invalid": r["invalid"]}
                           for r in summary}}

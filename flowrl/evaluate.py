@@ -45,6 +45,22 @@ def reward_table(sampler, prompts: list[str], metadata: list[dict], seeds: list[
     return summary, samples
 
 
+def per_prompt_means(samples: list[dict], metrics: list[str]) -> list[dict]:
+    """One row per prompt (in order of first appearance): its number of images and each metric's mean over them
+    (NaN left out)."""
+    rows: dict[str, dict[str, list[float]]] = {}
+    for row in samples:
+        per = rows.setdefault(row["prompt"], {m: [] for m in metrics})
+        for m in metrics:
+            if math.isfinite(row[m]):
+                per[m].append(row[m])
+    counts = {}
+    for row in samples:
+        counts[row["prompt"]] = counts.get(row["prompt"], 0) + 1
+    return [{"prompt": p, "images": counts[p], **{m: (sum(v) / len(v) if v else float("nan")) for m, v in ms.items()}}
+            for p, ms in rows.items()]
+
+
 def group_means(samples: list[dict], prompts: list[str], metadata: list[dict], column: str,
                 metrics: list[str]) -> dict:
     """Per value of a metadata column, each metric's mean over that group's images (NaN left out), and ``overall``:

@@ -122,7 +122,7 @@ def test_flowrl_eval_on_a_dataset_with_two_rewards_writes_csv_summary_and_grid(t
     code = main(["eval", "--dataset", str(tmp_path / "p.parquet"), "--reward", "jpeg_compressibility", "--reward",
                  "ocr", "--seeds", "0,1", "--steps", "4", "--csv", str(out), "--group-by", "tag", "log.progress=false"])
     assert code == 0
-    for name in ("t.csv", "t_samples.csv", "t.json", "t_grid.png"):
+    for name in ("t.csv", "t_samples.csv", "t_prompts.csv", "t.json", "t_grid.png"):
         assert (tmp_path / "eval" / name).is_file(), name
     per_image = list(csv.DictReader((tmp_path / "eval/t_samples.csv").open()))
     assert len(per_image) == 6 and {"jpeg_compressibility", "ocr", "total"} <= set(per_image[0])
@@ -130,6 +130,9 @@ def test_flowrl_eval_on_a_dataset_with_two_rewards_writes_csv_summary_and_grid(t
     jpeg = [float(r["jpeg_compressibility"]) for r in per_image]
     assert report["metrics"]["jpeg_compressibility"]["mean"] == pytest.approx(sum(jpeg) / 6)
     shape, text = sum(jpeg[:4]) / 4, sum(jpeg[4:]) / 2  # prompt-major: two seeds per prompt
+    per_prompt = list(csv.DictReader((tmp_path / "eval/t_prompts.csv").open()))
+    assert [r["prompt"] for r in per_prompt] == [r["prompt"] for r in rows] and per_prompt[0]["images"] == "2"
+    assert float(per_prompt[2]["jpeg_compressibility"]) == pytest.approx(text)
     groups = report["groups"]
     assert groups["groups"]["shape"]["jpeg_compressibility"] == pytest.approx(shape)
     assert groups["overall"]["jpeg_compressibility"] == pytest.approx((shape + text) / 2)
