@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.errors import RewardError
-
-from .loading import check_images, resolve_file, resolve_pretrained_dir, to_pil
-from .qwen_vl import load_reward_model, resized_side
+from .loading import check_images, to_pil
+from .qwen_vl import load_qwen_vl_reward, resized_side
 from .registry import register_reward
 
 REWARD_TOKEN = "<|Reward|>"
@@ -65,22 +63,10 @@ class HPSv3:
 
     def __init__(self, checkpoint: str | None = None, base: str = "Qwen/Qwen2-VL-7B-Instruct", device: str = "cpu",
                  dtype: str = "bf16", batch_size: int = 4):
-        from transformers import AutoProcessor
-
-        if dtype not in ("bf16", "fp32"):
-            raise RewardError(f"hpsv3: dtype must be bf16 or fp32, not {dtype!r}")
-        folder = resolve_pretrained_dir("hpsv3", base, "Qwen2-VL's config.json and processor files")
-        weights = resolve_file("hpsv3", checkpoint, "MizzenAI/HPSv3", "HPSv3.safetensors")
-        self.processor = AutoProcessor.from_pretrained(folder)
-        tok = self.processor.tokenizer
-        if REWARD_TOKEN not in tok.get_vocab():
-            tok.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
-        self.reward_id = tok.convert_tokens_to_ids(REWARD_TOKEN)
-        model = load_reward_model(folder, weights, "ranknet", 2)
+        self.processor, (self.reward_id,), self.model = load_qwen_vl_reward(
+            "hpsv3", checkpoint, base, "MizzenAI/HPSv3", "HPSv3.safetensors", (REWARD_TOKEN,), "ranknet", 2, dtype,
+            device)
         self.device = torch.device(device)
-        if dtype == "bf16":
-            model.backbone.to(torch.bfloat16)
-        self.model = model.to(self.device).eval().requires_grad_(False)
         self.batch_size = batch_size
 
     def text(self, prompt: str) -> str:

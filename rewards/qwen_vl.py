@@ -96,3 +96,31 @@ def load_reward_model(config_folder: str, weights, head: str, outputs: int) -> Q
         model.backbone.language_model.embed_tokens = torch.nn.Embedding(*embed.shape, padding_idx=current.padding_idx)
     load_strict(model, state, str(weights))
     return model
+
+
+def load_qwen_vl_reward(reward: str, checkpoint: str | None, base: str, repo_id: str, filename: str,
+                        tokens: tuple[str, ...], head: str, outputs: int, dtype: str, device: str):
+    """The processor (with the reward tokens added), the tokens' ids and the model on ``device`` for a Qwen2-VL
+    reward model: ``base`` gives the architecture and processor, ``checkpoint`` (or ``filename`` from ``repo_id``)
+    the weights; the backbone in ``dtype`` (bf16 or fp32), the head in fp32.
+
+    Returns:
+        ``(processor, token_ids, model)``.
+    """
+    from transformers import AutoProcessor
+
+    from .loading import resolve_file, resolve_pretrained_dir
+
+    if dtype not in ("bf16", "fp32"):
+        raise RewardError(f"{reward}: dtype must be bf16 or fp32, not {dtype!r}")
+    folder = resolve_pretrained_dir(reward, base, "Qwen2-VL's config.json and processor files")
+    weights = resolve_file(reward, checkpoint, repo_id, filename)
+    processor = AutoProcessor.from_pretrained(folder)
+    tok = processor.tokenizer
+    if any(t not in tok.get_vocab() for t in tokens):
+        tok.add_special_tokens({"additional_special_tokens": list(tokens)})
+    model = load_reward_model(folder, weights, head, outputs)
+    if dtype == "bf16":
+        model.backbone.to(torch.bfloat16)
+    model = model.to(torch.device(device)).eval().requires_grad_(False)
+    return processor, [tok.convert_tokens_to_ids(t) for t in tokens], model

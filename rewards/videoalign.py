@@ -18,8 +18,7 @@ import torch
 
 from flowrl.errors import RewardError
 
-from .loading import resolve_file, resolve_pretrained_dir
-from .qwen_vl import PIXELS, load_reward_model, resized_side
+from .qwen_vl import PIXELS, load_qwen_vl_reward, resized_side
 from .registry import register_reward
 
 TOKENS = ("<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>")
@@ -87,25 +86,12 @@ class VideoAlign:
 
     def __init__(self, checkpoint: str | None = None, base: str = "Qwen/Qwen2-VL-2B-Instruct", output: str = "Overall",
                  video_fps: float = 16.0, normalise: bool = True, device: str = "cpu", dtype: str = "bf16"):
-        from transformers import AutoProcessor
-
         if output not in ("Overall", *NORM):
             raise RewardError(f"videoalign: output must be Overall, VQ, MQ or TA, not {output!r}")
-        if dtype not in ("bf16", "fp32"):
-            raise RewardError(f"videoalign: dtype must be bf16 or fp32, not {dtype!r}")
-        folder = resolve_pretrained_dir("videoalign", base, "Qwen2-VL's config.json and processor files")
-        weights = resolve_file("videoalign", checkpoint, "KwaiVGI/VideoReward", "model.safetensors")
-        self.processor = AutoProcessor.from_pretrained(folder)
-        tok = self.processor.tokenizer
-        missing = [t for t in TOKENS if t not in tok.get_vocab()]
-        if missing:
-            tok.add_special_tokens({"additional_special_tokens": list(TOKENS)})
-        self.token_ids = [tok.convert_tokens_to_ids(t) for t in TOKENS]
-        model = load_reward_model(folder, weights, "linear", 1)
-        if dtype == "bf16":
-            model.backbone.to(torch.bfloat16)
+        self.processor, self.token_ids, self.model = load_qwen_vl_reward(
+            "videoalign", checkpoint, base, "KwaiVGI/VideoReward", "model.safetensors", TOKENS, "linear", 1, dtype,
+            device)
         self.device = torch.device(device)
-        self.model = model.to(self.device).eval().requires_grad_(False)
         self.output, self.video_fps, self.normalise = output, video_fps, normalise
 
     def text(self, prompt: str) -> str:
