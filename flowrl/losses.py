@@ -86,3 +86,41 @@ def compiled_edge_objective():
     if "edge" not in _COMPILED:
         _COMPILED["edge"] = torch.compile(edge_objective, dynamic=True)
     return _COMPILED["edge"]
+
+
+def divergence_masked_loss(log_ratio: torch.Tensor, adv: torch.Tensor, divergence: torch.Tensor,
+                           threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flow-DPPO's per-edge loss: ``-A r``, except for the edges whose move both left the trust region
+    (``divergence >= threshold``) and went the way the advantage pushes (r > 1 with A > 0, r < 1 with A < 0);
+    those contribute 0. No clip.
+
+    Args:
+        log_ratio: (E,) log(pi_theta / pi_old) per edge.
+        adv: (E,) advantages.
+        divergence: (E,) KL of the current transition from the rollout's (detached).
+        threshold: the trust region's size.
+    Returns:
+        ``(loss (E,), ratio (E,), dropped (E,) bool)``.
+    """
+    ratio = torch.exp(log_ratio)
+    pushes_on = ((ratio > 1) & (adv > 0)) | ((ratio < 1) & (adv < 0))
+    dropped = (divergence >= threshold) & pushes_on
+    return -adv * ratio * (~dropped), ratio, dropped
+
+
+def transition_divergence(mean: torch.Tensor, mean_old: torch.Tensor, std: torch.Tensor | None) -> torch.Tensor:
+    """The per-element-mean Gaussian KL between two transitions that share their std: ``mean((mu - mu_old)^2) /
+    (2 s^2)`` per row; ``std=None`` takes s = 1.
+
+    Args:
+        mean, mean_old: (E, *latent) the transitions' means.
+        std: the transition std, broadcastable to (E, *latent) (one value per row), or None.
+    Returns:
+        (E,) divergences.
+    """
+    sq = (mean - mean_old) ** 2
+    if std is not None:
+        sq = sq / (2 * std ** 2)
+    else:
+        sq = sq / 2
+    return sq.flatten(1).mean(1)
