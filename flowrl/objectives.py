@@ -134,10 +134,24 @@ class TransitionObjective:
         self.fused = (losses.compiled_edge_objective() if self.cfg.train.fused_loss and algorithm.per_edge_rows
                       and not self.guard else None)  # GRPO-Guard rewrites the log-ratio: the eager path
 
+    divergence_std: str | None = None  # set by objectives that need each edge's divergence from its rollout
+
     @property
     def needs_sampling_mean(self) -> bool:
-        """The rollout must keep each edge's sampling mean (GRPO-Guard's normalisation needs the old mean)."""
-        return self.guard
+        """The rollout must keep each edge's sampling mean (GRPO-Guard's normalisation and the divergence from the
+        rollout's transition need the old mean)."""
+        return self.guard or self.divergence_std is not None
+
+    def policy_rows(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy term per loss row: PPO's clipped surrogate ``max(-A r, -A clip(r))``.
+
+        Args:
+            log_ratio: (R,) log(pi_theta / pi_old) per row.
+            adv: (R,) advantages.
+        Returns:
+            ``(loss (R,), ratio (R,))``.
+        """
+        return ppo_clip_loss(log_ratio, torch.zeros_like(log_ratio), adv, self.cfg.train.clip_range)
 
     # ------------------------------------------------------------------------------------------ the update
     def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
@@ -174,7 +188,7 @@ class TransitionObjective:
             loss_r, ratio = fused
         else:
             log_ratio, adv, kl, step = self.algorithm.loss_rows(group, logp, old, adv, kl, step)  # (E,) -> (R,)
-            loss_r, ratio = ppo_clip_loss(log_ratio, torch.zeros_like(log_ratio), adv, cfg.train.clip_range)
+            loss_r, ratio = self.policy_rows(log_ratio, adv)
         row_loss = loss_r + cfg.train.kl_beta * kl
         if self.weights is not None:  # (R,) the weight of each row's step
             row_loss = row_loss * torch.tensor([self.weights[int(i)] for i in step], device=row_loss.device)
@@ -261,6 +275,7 @@ class TransitionObjective:
         s_next = tree.sigmas[tree.gather(tree.index, rnd, child)]
         logp = torch.empty(len(child), device=dev)
         kl = torch.zeros(len(child), device=dev)
+        self.divergence = torch.zeros(len(child), device=dev)  # (E,) each edge's KL from its rollout transition
         adv = adv.to(dev).clamp(-cfg.advantage.clip, cfg.advantage.clip)
         options = parts.kernel_options
         sigma_at_one = float(tree.sigmas[1])
@@ -281,6 +296,10 @@ class TransitionObjective:
                               sigma_at_one=sigma_at_one, prev_sample=prev[md], reduce=cfg.train.log_prob_reduce,
                               **options)
             logp[md] = out.log_prob
+            if self.divergence_std is not None:
+                mean_old = tree.gather(tree.mean, rnd[m], child[m]).to(dev)
+                std = out.std if self.divergence_std == "transition" else None
+                self.divergence[md] = losses.transition_divergence(out.mean.detach(), mean_old, std)
             if self.guard:  # the normalised log-ratio, carried as old + (logp - old + bias) * s
                 mean_old = tree.gather(tree.mean, rnd[m], child[m]).to(dev)
                 logp[md] = old[m].to(dev) + guard_log_ratio(out.log_prob, old[m].to(dev), out.mean, mean_old, out.std)
@@ -305,6 +324,46 @@ class TransitionObjective:
         out = kernel_step(cfg.sampler.kernel, x, v, s, s_next, noise_level=level, sigma_at_one=sigma_at_one,
                           prev_sample=nxt)
         return kl_to_reference(cfg, out, x, v_ref, s, s_next, nxt, level, sigma_at_one, {})  # full rank: no options
+
+
+
+class DivergenceMaskedObjective(TransitionObjective):
+    """Flow-DPPO's objective: the transitions' terms with the ratio clip replaced by the divergence mask
+    (:func:`flowrl.losses.divergence_masked_loss`): ``-A r`` per edge, dropped only where the edge's transition has
+    moved at least ``algorithm.divergence_threshold`` (KL per element) from its rollout's in the advantage's
+    direction. Logs the dropped fraction (``dppo_dropped``, and on the first update, which must be 0) and the largest
+    divergence."""
+
+    def __init__(self, algorithm, parts: TrainingParts):
+        super().__init__(algorithm, parts)
+        self.divergence_std = algorithm.opts.divergence_std
+        self.fused = None  # the mask needs each edge's divergence: the eager path
+        self.dropped, self.first_dropped, self.max_divergence = [], [], 0.0
+
+    def policy_rows(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, ratio, dropped = losses.divergence_masked_loss(log_ratio, adv, self.divergence,
+                                                             self.algorithm.opts.divergence_threshold)
+        self.dropped.append(dropped.float())
+        if self.first:  # the first minibatch: the rollout's own weights, so nothing may be dropped
+            self.first_dropped.append(dropped.float())
+        self.max_divergence = max(self.max_divergence, float(self.divergence.max()) if len(self.divergence) else 0.0)
+        return loss, ratio
+
+    def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
+        self.dropped, self.first_dropped, self.max_divergence = [], [], 0.0
+        return super().work_items(batch, gen)
+
+    def statistics(self) -> dict:
+        stats = super().statistics()
+        procs = self.parts.procs
+        dropped = torch.cat(self.dropped) if self.dropped else torch.zeros(0)
+        n, k = procs.sum(len(dropped)), procs.sum(float(dropped.sum()))
+        first = torch.cat(self.first_dropped) if self.first_dropped else torch.zeros(0)
+        n1, k1 = procs.sum(len(first)), procs.sum(float(first.sum()))
+        stats["dppo_dropped"] = k / n if n else 0.0
+        stats["dppo_dropped_first_update"] = k1 / n1 if n1 else 0.0
+        stats["dppo_divergence_max"] = max(procs.gather([self.max_divergence]))
+        return stats
 
 
 def untrained_states(tree) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ ALGORITHMS: dict[str, Any] = {
         ("flow_grpo", "FlowGRPO"), ("flow_grpo_fast", "FlowGRPOFast"), ("mix_grpo", "MixGRPO"),
         ("dance_grpo", "DanceGRPO"), ("branch_grpo", "BranchGRPO"), ("tempflow_grpo", "TempFlowGRPO"),
         ("e_grpo", "EGRPO"), ("chunk_grpo", "ChunkGRPO"), ("superflow", "SuperFlow"), ("ada_grpo", "AdaGRPO"),
-        ("diffusion_nft", "DiffusionNFT"),
+        ("diffusion_nft", "DiffusionNFT"), ("flow_dppo", "FlowDPPO"),
     ]
 }
 # model families (model.family): a ModelAdapter class with from_config(model_cfg, device)
