@@ -124,3 +124,34 @@ def transition_divergence(mean: torch.Tensor, mean_old: torch.Tensor, std: torch
     else:
         sq = sq / 2
     return sq.flatten(1).mean(1)
+
+
+def delight_gated_loss(log_ratio: torch.Tensor, log_prob: torch.Tensor, adv: torch.Tensor, eta: float = 1.0,
+                       clip: float = 10.0, surprisal: str = "centred") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Delightful Policy Gradient's per-edge loss: ``-sg(w A) log pi`` with the gate
+    ``w = sigmoid(chi / eta)``, ``chi = A l``, and the surprisal ``l = -log pi`` clipped to ``[-clip, clip]``. No ratio
+    and no clip; the gradient equals that of ``-w A log(pi / pi_old)``, which is what is returned, so the value is 0
+    on the first update.
+
+    ``surprisal``: ``raw`` uses the per-element-mean log-prob as it is. With Gaussian transitions it is nearly a
+    constant per step (its sample-dependent part has std about 0.7 / sqrt(latent size)), so the gate then reweights
+    by (advantage, step) only. ``centred`` (the default) subtracts the batch's mean surprisal and divides by its std,
+    so the gate sees which actions are unusual among those sampled.
+
+    Args:
+        log_ratio: (E,) log(pi_theta / pi_old) per edge.
+        log_prob: (E,) log pi_theta (mean over elements).
+        adv: (E,) advantages.
+        eta: the gate's temperature (the paper: 1).
+        clip: the surprisal's bound (the paper's algorithm: 10).
+        surprisal: ``centred`` or ``raw``.
+    Returns:
+        ``(loss (E,), ratio (E,), gate (E,))``.
+    """
+    lp = log_prob.detach()
+    l = -lp
+    if surprisal == "centred" and l.numel() > 1:
+        l = (l - l.mean()) / (l.std(correction=0) + 1e-8)
+    l = l.clamp(-clip, clip)
+    gate = torch.sigmoid(adv * l / eta)
+    return -(gate * adv).detach() * log_ratio, torch.exp(log_ratio.detach()), gate

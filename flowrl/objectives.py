@@ -187,6 +187,7 @@ class TransitionObjective:
         if fused is not None:  # per-edge rows, computed whole by the compiled objective
             loss_r, ratio = fused
         else:
+            self.log_prob = logp  # (E,) for objectives whose rows read the log-prob itself (per-edge rows)
             log_ratio, adv, kl, step = self.algorithm.loss_rows(group, logp, old, adv, kl, step)  # (E,) -> (R,)
             loss_r, ratio = self.policy_rows(log_ratio, adv)
         row_loss = loss_r + cfg.train.kl_beta * kl
@@ -363,6 +364,37 @@ class DivergenceMaskedObjective(TransitionObjective):
         stats["dppo_dropped"] = k / n if n else 0.0
         stats["dppo_dropped_first_update"] = k1 / n1 if n1 else 0.0
         stats["dppo_divergence_max"] = max(procs.gather([self.max_divergence]))
+        return stats
+
+
+
+class DelightGatedObjective(TransitionObjective):
+    """The Delightful Policy Gradient: no ratio clip; each edge's score-function term ``-A log pi`` is weighted by
+    the detached gate ``sigmoid(A l / eta)``, where ``l = -log pi(a | s)`` is the action's surprisal
+    (:func:`flowrl.losses.delight_gated_loss`), so rare successes pass and rare failures are damped. Logs the mean
+    gate (``delight_gate``)."""
+
+    def __init__(self, algorithm, parts: TrainingParts):
+        super().__init__(algorithm, parts)
+        self.fused = None
+        self.gates: list[torch.Tensor] = []
+
+    def policy_rows(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        o = self.algorithm.opts
+        loss, ratio, gate = losses.delight_gated_loss(log_ratio, self.log_prob, adv, o.eta, o.surprisal_clip,
+                                                      o.surprisal)
+        self.gates.append(gate)
+        return loss, ratio
+
+    def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
+        self.gates = []
+        return super().work_items(batch, gen)
+
+    def statistics(self) -> dict:
+        stats = super().statistics()
+        gates = torch.cat(self.gates) if self.gates else torch.zeros(0)
+        n, total = self.parts.procs.sum(len(gates)), self.parts.procs.sum(float(gates.sum()))
+        stats["delight_gate"] = total / n if n else 0.0
         return stats
 
 

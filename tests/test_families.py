@@ -29,7 +29,7 @@ ALGORITHMS = {
     "e_grpo": ["algorithm.group_size=2"], "chunk_grpo": ["algorithm.sizes=[1, 2]"],
     "superflow": ["algorithm.min_group=2", "algorithm.max_group=3"], "ada_grpo": ["algorithm.candidates=2"],
     "diffusion_nft": ["algorithm.group_size=2", "algorithm.timesteps_per_sample=1"],
-    "flow_dppo": ["train.inner_epochs=2"],
+    "flow_dppo": ["train.inner_epochs=2"], "delightful_pg": [],
 }
 
 

@@ -1,0 +1,41 @@
+"""The Delightful Policy Gradient (arXiv 2603.14608) on Flow-GRPO's rollouts: every trained edge's term is
+``-sg(w A) log pi`` with the gate ``w = sigmoid(A l / eta)`` and the surprisal ``l = -log pi(a | s)``; there is no
+ratio and no clip. A rare action that did well (A > 0, large l) passes with w near 1; a rare action that did badly
+(A < 0, large l) is damped toward 0, so unlucky exploration does not push the policy around.
+
+The paper's experiments are bandits, token reversal and control; no flow-model code exists. The per-element-mean
+Gaussian log-prob hardly varies between the samples of one step (its sample-dependent part has std about
+0.7 / sqrt(latent size)), so by default the surprisal is centred and scaled over the batch (``surprisal: centred``),
+which is this package's reading; ``raw`` uses the log-prob as it is, which turns the gate into a function of
+(advantage, step). The method is on-policy: keep ``train.inner_epochs`` at 1."""
+
+from __future__ import annotations
+
+from ..config import opt
+from ..errors import ConfigError
+from .flow_grpo import FlowGRPO, FlowGRPOOptions
+
+
+class DelightfulPGOptions(FlowGRPOOptions):
+    eta: float = opt(1.0, "the gate's temperature: w = sigmoid(A l / eta) (the paper: 1; its analysis needs > 0.5)",
+                     lo=0.0, lo_open=True)
+    surprisal_clip: float = opt(10.0, "the surprisal is clipped to [-c, c] (the paper's algorithm: 10)", lo=0.0,
+                                lo_open=True)
+    surprisal: str = opt("centred", "centred (over the batch: which sampled actions are unusual) or raw (-log pi as "
+                         "it is)", choices=["centred", "raw"])
+
+
+class DelightfulPG(FlowGRPO):
+    Options = DelightfulPGOptions
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        super().check(cfg)
+        if cfg.train.grpo_guard:
+            raise ConfigError("train.grpo_guard: the Delightful Policy Gradient has no ratio to normalise; turn it off")
+
+    def make_objective(self, parts):
+        """The gated objective (:class:`flowrl.objectives.DelightGatedObjective`)."""
+        from ..objectives import DelightGatedObjective
+
+        return DelightGatedObjective(self, parts)
