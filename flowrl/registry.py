@@ -20,7 +20,7 @@ ALGORITHMS: dict[str, Any] = {
         ("dance_grpo", "DanceGRPO"), ("branch_grpo", "BranchGRPO"), ("tempflow_grpo", "TempFlowGRPO"),
         ("e_grpo", "EGRPO"), ("chunk_grpo", "ChunkGRPO"), ("superflow", "SuperFlow"), ("ada_grpo", "AdaGRPO"),
         ("diffusion_nft", "DiffusionNFT"), ("flow_dppo", "FlowDPPO"),
-        ("delightful_pg", "DelightfulPG"),
+        ("delightful_pg", "DelightfulPG"), ("customized_grpo", "CustomizedGRPO"),
     ]
 }
 # model families (model.family): a ModelAdapter class with from_config(model_cfg, device)

@@ -30,6 +30,7 @@ ALGORITHMS = {
     "superflow": ["algorithm.min_group=2", "algorithm.max_group=3"], "ada_grpo": ["algorithm.candidates=2"],
     "diffusion_nft": ["algorithm.group_size=2", "algorithm.timesteps_per_sample=1"],
     "flow_dppo": ["train.inner_epochs=2"], "delightful_pg": [],
+    "customized_grpo": ["algorithm.group_size=2"],
 }
 
 
@@ -219,9 +220,12 @@ def test_flux_sigmas_are_the_pipelines():
 def test_every_algorithm_trains_on_every_family(tmp_path, family, algorithm):
     from flowrl.trainer import Trainer
 
+    reward = REWARD[family]
+    if algorithm == "customized_grpo":  # it fuses two rewards: the same one twice
+        reward = reward[:-1] + ", " + reward[len("rewards=["):]
     cfg = family_cfg(family, f"algorithm.name={algorithm}", *ALGORITHMS[algorithm], "sampler.num_steps=4",
                      "train.prompts_per_iter=2", f"log.output_dir={tmp_path}", "log.run_name=t", "log.sample_every=0",
-                     "log.save_every=0", REWARD[family], "train.clip_range=1e-2")
+                     "log.save_every=0", reward, "train.clip_range=1e-2")
     row = Trainer(cfg).iteration(0)
     assert row["optimizer_steps"] >= 1 and row["nfe_train"] > 0
     assert row["trained_edges"] > 0 or algorithm == "diffusion_nft"  # NFT trains on re-noised samples, not edges
