@@ -461,8 +461,10 @@ class ForwardProcessObjective:
         x_t = (1 - tt) * x0 + tt * eps  # (B, *latent) on the forward process
         rows = self.cond.index(self.prompt_rows[li].to(self.cond.embeds.device))
         with torch.no_grad(), autocast():  # before v: the swaps are in place
-            with policy.old_weights():
-                v_old = adapter.velocity(x_t, t, rows)
+            v_old = None
+            if self.algorithm.keeps_old_policy:  # DiffusionNFT compares with the old policy; AWM needs no old velocity
+                with policy.old_weights():
+                    v_old = adapter.velocity(x_t, t, rows)
             v_ref = None
             if cfg.train.kl_beta > 0:
                 with policy.reference():
@@ -477,7 +479,8 @@ class ForwardProcessObjective:
         self.nfe += len(numbered)
         self.losses.append(loss.detach())
         self.kls.append(kl.detach())
-        self.gaps.append(((v.detach() - v_old) ** 2).mean(dim=dims))
+        if v_old is not None:
+            self.gaps.append(((v.detach() - v_old) ** 2).mean(dim=dims))
         return (loss + cfg.train.kl_beta * kl).sum()
 
     def end_minibatch(self, gen: torch.Generator) -> torch.Tensor | None:
@@ -485,7 +488,7 @@ class ForwardProcessObjective:
 
     def statistics(self) -> dict:
         procs = self.parts.procs
-        losses, kls, gaps = procs.gather_rows(self.losses, self.kls, self.gaps)
+        losses, kls, gaps = procs.gather_rows(self.losses, self.kls, self.gaps or [torch.zeros(1)])
         return {"trained_edges": 0, "work_items": self.t.numel(), "nfe_train": procs.sum(self.nfe),
                 "clipfrac": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0, "ratio_std": 0.0,
                 "ratio_max_abs_dev_first_update": 0.0, "policy_loss": float(torch.cat(losses).mean()),

@@ -1,0 +1,70 @@
+"""AWM, Advantage Weighted Matching (arXiv 2509.25050): the pretraining flow-matching loss, weighted per sample by
+its advantage. Rollouts keep only the clean samples x0 (any solver; here ODE, as DiffusionNFT's); each is re-noised
+at ``timesteps_per_sample`` grid sigmas, one drawn from each of as many strata of the rollout grid's indices
+(indices 1 to floor(0.9 T): the first step and the last tenth are left out), the same sigmas for the
+whole iteration and fresh noise per (sample, sigma). With ``l = mean((v_theta - (eps - x0))^2)`` the loss is
+
+    A_hat w(l, sigma),   A_hat = clip(A, +-A_max) / A_max,
+
+with ``w`` the weighting: ``uniform`` l, ``sigma`` sigma l, ``sigma2`` sigma^2 l, ``huber`` sigma (sqrt(l + 1e-10) -
+1e-5), ``ghuber`` (sigma / p)((l + 1e-10)^p - 1e-10^p) with p = ``ghuber_power`` (the default, p = 0.25), plus
+``train.kl_beta`` times the velocity MSE to the reference. Its gradient is the official code's (whose ratio of
+exp(-w) is 1 on-policy). Defaults from the official code; its KL to a fast EMA is not included."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import opt
+from .base import GroupOptions
+from .diffusion_nft import DiffusionNFT
+
+
+class AWMOptions(GroupOptions):
+    timesteps_per_sample: int = opt(6, "training sigmas per sample (one per stratum of the rollout grid)", lo=1)
+    weighting: str = opt("ghuber", "w(l, sigma): uniform, sigma, sigma2, huber or ghuber (the official default)",
+                         choices=["uniform", "sigma", "sigma2", "huber", "ghuber"])
+    ghuber_power: float = opt(0.25, "ghuber's power p", lo=0.0, lo_open=True, hi=1.0)
+    adv_clip_max: float = opt(5.0, "A_max: A_hat = clip(A, +-A_max) / A_max", lo=0.0, lo_open=True)
+
+
+def matching_weight(l: torch.Tensor, sigma: torch.Tensor, weighting: str, p: float = 0.25) -> torch.Tensor:
+    """w(l, sigma) per sample (B,), l the flow-matching error and sigma the noise level, both (B,)."""
+    if weighting == "uniform":
+        return l
+    if weighting == "sigma":
+        return sigma * l
+    if weighting == "sigma2":
+        return sigma ** 2 * l
+    if weighting == "huber":
+        return sigma * (torch.sqrt(l + 1e-10) - 1e-5)
+    return (sigma / p) * ((l + 1e-10) ** p - 1e-10 ** p)
+
+
+def stratified_indices(num_steps: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """k grid indices, one drawn uniformly from each of k contiguous, nearly equal strata of 1..floor(0.9 T) (the
+    first step and the last tenth left out); with fewer indices than strata, every index once."""
+    candidates = torch.arange(1, max(1, int(0.9 * num_steps)) + 1)
+    picks = [c[int(torch.randint(len(c), (1,), generator=gen))] for c in torch.tensor_split(candidates, k) if len(c)]
+    return torch.stack(picks)
+
+
+class AWM(DiffusionNFT):
+    Options = AWMOptions
+    keeps_old_policy = False
+
+    def training_timesteps(self, n: int, sigmas: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """(n, k) sigmas: the same stratified grid sigmas for every sample of the iteration."""
+        idx = stratified_indices(len(sigmas) - 1, self.opts.timesteps_per_sample, gen)
+        return sigmas[idx].unsqueeze(0).expand(n, -1)
+
+    def forward_process_loss(self, x0, x_t, t, v_theta, v_old, adv) -> torch.Tensor:
+        """Per-sample (B,) ``A_hat w(l, sigma)``: x0, x_t, v: (B, *latent); t, adv: (B,)."""
+        tt = t.view(-1, *([1] * (x0.ndim - 1)))
+        eps = (x_t - (1 - tt) * x0) / tt  # the noise this sample was re-noised with
+        l = ((v_theta.float() - (eps - x0)) ** 2).flatten(1).mean(1)
+        a_max = self.opts.adv_clip_max
+        return adv.clamp(-a_max, a_max) / a_max * matching_weight(l, t, self.opts.weighting, self.opts.ghuber_power)
+
+    def old_decay(self, it: int) -> float:
+        return 0.0
