@@ -155,3 +155,10 @@ def delight_gated_loss(log_ratio: torch.Tensor, log_prob: torch.Tensor, adv: tor
     l = l.clamp(-clip, clip)
     gate = torch.sigmoid(adv * l / eta)
     return -(gate * adv).detach() * log_ratio, torch.exp(log_ratio.detach()), gate
+
+
+def dpo_loss(err_w: torch.Tensor, err_ref_w: torch.Tensor, err_l: torch.Tensor, err_ref_l: torch.Tensor,
+             beta: float) -> torch.Tensor:
+    """Diffusion-DPO per pair (P,): ``-log sigmoid(-(beta / 2) ((e_w - e_ref_w) - (e_l - e_ref_l)))`` with e the
+    flow-matching errors of the policy and the reference on the chosen (w) and rejected (l) samples."""
+    return -torch.nn.functional.logsigmoid(-(beta / 2) * ((err_w - err_ref_w) - (err_l - err_ref_l)))

@@ -21,7 +21,7 @@ ALGORITHMS: dict[str, Any] = {
         ("e_grpo", "EGRPO"), ("chunk_grpo", "ChunkGRPO"), ("superflow", "SuperFlow"), ("ada_grpo", "AdaGRPO"),
         ("diffusion_nft", "DiffusionNFT"), ("flow_dppo", "FlowDPPO"),
         ("delightful_pg", "DelightfulPG"), ("customized_grpo", "CustomizedGRPO"),
-        ("awm", "AWM"), ("sft", "SFT"),
+        ("awm", "AWM"), ("sft", "SFT"), ("online_dpo", "OnlineDPO"),
     ]
 }
 # model families (model.family): a ModelAdapter class with from_config(model_cfg, device)

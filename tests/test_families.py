@@ -32,6 +32,7 @@ ALGORITHMS = {
     "flow_dppo": ["train.inner_epochs=2"], "delightful_pg": [],
     "customized_grpo": ["algorithm.group_size=2"], "awm": ["algorithm.group_size=2", "algorithm.timesteps_per_sample=1"],
     "sft": ["algorithm.group_size=2", "algorithm.timesteps_per_sample=1"],
+    "online_dpo": ["algorithm.group_size=2", "algorithm.timesteps_per_sample=1"],
 }
 
 
@@ -229,7 +230,7 @@ def test_every_algorithm_trains_on_every_family(tmp_path, family, algorithm):
                      "log.save_every=0", reward, "train.clip_range=1e-2")
     row = Trainer(cfg).iteration(0)
     assert row["optimizer_steps"] >= 1 and row["nfe_train"] > 0
-    assert row["trained_edges"] > 0 or algorithm in ("diffusion_nft", "awm", "sft")  # re-noised samples, not edges
+    assert row["trained_edges"] > 0 or algorithm in ("diffusion_nft", "awm", "sft", "online_dpo")  # re-noised samples, not edges
     assert row["ratio_max_abs_dev_first_update"] < 1e-5
 
 
