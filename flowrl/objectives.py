@@ -537,7 +537,7 @@ class PreferencePairObjective(ForwardProcessObjective):
         target = eps - x0
         err = ((v.float() - target) ** 2).flatten(1).mean(1).view(-1, 2)  # (B, 2) chosen, rejected
         err_ref = ((v_ref.float() - target) ** 2).flatten(1).mean(1).view(-1, 2)
-        loss = losses.dpo_loss(err[:, 0], err_ref[:, 0], err[:, 1], err_ref[:, 1], self.algorithm.opts.beta)  # (B,)
+        loss = losses.dpo_loss(err[:, 0], err_ref[:, 0], err[:, 1], err_ref[:, 1], self.algorithm.opts.dpo_beta)  # (B,)
         if not record:
             return loss.sum()
         self.nfe += 2 * len(numbered)

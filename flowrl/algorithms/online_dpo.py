@@ -7,7 +7,7 @@ noise at the same sigma, and with ``Delta(x) = e_theta(x) - e_ref(x)`` the diffe
 
 which lowers the policy's error on the chosen sample relative to the reference more than on the rejected one. A group
 whose rewards are all equal has no pair and is skipped (the published script then pairs samples 1 and 0). ``beta``
-is on per-element-mean errors, as every peer computes them (100 in Flow-GRPO's script)."""
+(``dpo_beta``) is on per-element-mean errors, as every peer computes them (100 in Flow-GRPO's script)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from .awm import AWM, AWMOptions
 
 
 class OnlineDPOOptions(AWMOptions):
-    beta: float = opt(100.0, "DPO's inverse temperature on per-element-mean errors (Flow-GRPO's script: 100)",
+    dpo_beta: float = opt(100.0, "DPO's inverse temperature on per-element-mean errors (Flow-GRPO's script: 100)",
                       lo=0.0, lo_open=True)
     timesteps_per_sample: int = opt(2, "(sigma, noise) draws per pair, one per stratum of the rollout grid", lo=1)
 
