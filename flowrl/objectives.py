@@ -488,12 +488,15 @@ class ForwardProcessObjective:
 
     def statistics(self) -> dict:
         procs = self.parts.procs
-        losses, kls, gaps = procs.gather_rows(self.losses, self.kls, self.gaps or [torch.zeros(1)])
-        return {"trained_edges": 0, "work_items": self.t.numel(), "nfe_train": procs.sum(self.nfe),
-                "clipfrac": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0, "ratio_std": 0.0,
-                "ratio_max_abs_dev_first_update": 0.0, "policy_loss": float(torch.cat(losses).mean()),
-                "kl_loss": float(torch.cat(kls).mean()), "mean_abs_log_ratio": 0.0,
-                "old_policy_gap": float(torch.cat(gaps).mean())}  # mean (v - v_old)^2: how far the old lags
+        losses, kls = procs.gather_rows(self.losses, self.kls)
+        stats = {"trained_edges": 0, "work_items": self.t.numel(), "nfe_train": procs.sum(self.nfe),
+                 "clipfrac": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0, "ratio_std": 0.0,
+                 "ratio_max_abs_dev_first_update": 0.0, "policy_loss": float(torch.cat(losses).mean()),
+                 "kl_loss": float(torch.cat(kls).mean()), "mean_abs_log_ratio": 0.0}
+        if self.algorithm.keeps_old_policy:  # the same on every process, so the gather stays collective
+            gaps, = procs.gather_rows(self.gaps)
+            stats["old_policy_gap"] = float(torch.cat(gaps).mean())  # mean (v - v_old)^2: how far the old lags
+        return stats
 
 
 class PreferencePairObjective(ForwardProcessObjective):

@@ -12,7 +12,6 @@ which is this package's reading; ``raw`` uses the log-prob as it is, which turns
 from __future__ import annotations
 
 from ..config import opt
-from ..errors import ConfigError
 from .flow_grpo import FlowGRPO, FlowGRPOOptions
 
 
@@ -27,12 +26,7 @@ class DelightfulPGOptions(FlowGRPOOptions):
 
 class DelightfulPG(FlowGRPO):
     Options = DelightfulPGOptions
-
-    @classmethod
-    def check(cls, cfg) -> None:
-        super().check(cfg)
-        if cfg.train.grpo_guard:
-            raise ConfigError("train.grpo_guard: the Delightful Policy Gradient has no ratio to normalise; turn it off")
+    refuses_grpo_guard = "the Delightful Policy Gradient has no ratio to normalise"
 
     def make_objective(self, parts):
         """The gated objective (:class:`flowrl.objectives.DelightGatedObjective`)."""

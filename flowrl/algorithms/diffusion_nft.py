@@ -69,12 +69,11 @@ def old_policy_decay(mode: str, it: int) -> float:
 class DiffusionNFT(FlowGRPO):
     Options = DiffusionNFTOptions
     keeps_old_policy = True  # rollouts are drawn with the old policy, which follows the trained weights
+    refuses_grpo_guard = "diffusion_nft has no transition ratios to normalise"
 
     @classmethod
     def check(cls, cfg) -> None:
-        if cfg.train.grpo_guard:
-            raise ConfigError("train.grpo_guard: diffusion_nft has no transition ratios to normalise; set "
-                              "train.grpo_guard=false")
+        cls.check_grpo_guard(cfg)
         if cfg.train.kl_untrained_beta > 0:
             raise ConfigError("train.kl_untrained_beta: diffusion_nft trains on the forward process, where "
                               "train.kl_beta already compares the velocities at every timestep it draws; set "

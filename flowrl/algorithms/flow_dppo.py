@@ -12,7 +12,6 @@ Defaults are the official code's (threshold 1e-5, the KL's std, per-element mean
 from __future__ import annotations
 
 from ..config import opt
-from ..errors import ConfigError
 from .flow_grpo import FlowGRPO, FlowGRPOOptions
 
 
@@ -25,13 +24,7 @@ class FlowDPPOOptions(FlowGRPOOptions):
 
 class FlowDPPO(FlowGRPO):
     Options = FlowDPPOOptions
-
-    @classmethod
-    def check(cls, cfg) -> None:
-        super().check(cfg)
-        if cfg.train.grpo_guard:
-            raise ConfigError("train.grpo_guard: Flow-DPPO's divergence mask replaces the ratio clip that GRPO-Guard "
-                              "normalises; turn one of them off")
+    refuses_grpo_guard = "Flow-DPPO's divergence mask replaces the ratio clip that GRPO-Guard normalises"
 
     def make_objective(self, parts):
         """The divergence-masked objective (:class:`flowrl.objectives.DivergenceMaskedObjective`)."""

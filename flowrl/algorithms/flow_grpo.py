@@ -53,6 +53,8 @@ class FlowGRPO:
     window_required = False
     keeps_old_policy = False  # True: rollouts use an old copy of the weights that follows the trained ones
     per_edge_rows = True  # loss_rows keeps one row per edge (so train.fused_loss can clip per edge)
+    # why GRPO-Guard cannot be used with this algorithm (it normalises PPO's per-edge ratio), or None where it can
+    refuses_grpo_guard: str | None = None
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -64,6 +66,12 @@ class FlowGRPO:
 
     # ------------------------------------------------------------------------------------------ config
     @classmethod
+    def check_grpo_guard(cls, cfg) -> None:
+        """One line when ``train.grpo_guard`` is on for an algorithm whose update has no PPO ratio to normalise."""
+        if cfg.train.grpo_guard and cls.refuses_grpo_guard:
+            raise ConfigError(f"train.grpo_guard: {cls.refuses_grpo_guard}; set train.grpo_guard=false")
+
+    @classmethod
     def check(cls, cfg) -> None:
         """Cross-field checks, run at config load (before a model is loaded or a file written).
 
@@ -72,6 +80,7 @@ class FlowGRPO:
         Raises:
             ConfigError: one line naming the key to change.
         """
+        cls.check_grpo_guard(cfg)
         check_window(cfg, required=cls.window_required)
         a = cfg.algorithm
         if getattr(a, "antithetic", False):
