@@ -162,3 +162,21 @@ def dpo_loss(err_w: torch.Tensor, err_ref_w: torch.Tensor, err_l: torch.Tensor, 
     """Diffusion-DPO per pair (P,): ``-log sigmoid(-(beta / 2) ((e_w - e_ref_w) - (e_l - e_ref_l)))`` with e the
     flow-matching errors of the policy and the reference on the chosen (w) and rejected (l) samples."""
     return -torch.nn.functional.logsigmoid(-(beta / 2) * ((err_w - err_ref_w) - (err_l - err_ref_l)))
+
+
+def group_preference_loss(err: torch.Tensor, err_ref: torch.Tensor, adv: torch.Tensor, beta: float) -> torch.Tensor:
+    """DGPO's rows for one group of K samples (K,): ``sigmoid(S) A_i e_i`` with the detached group score
+    ``S = (beta / K) sum_i A_i (e_i - e_ref_i)``; e, e_ref the flow-matching errors of the policy and the
+    reference at the group's shared (sigma, noise), A the advantages. Its gradient is that of the group preference
+    ``-log sigmoid(-S)`` up to the factor beta / K: lowering the error of the samples with A > 0 (raising it for
+    A < 0), less so once the group already prefers them relative to the reference."""
+    score = (beta / err.shape[0]) * (adv * (err - err_ref)).sum()
+    return torch.sigmoid(score.detach()) * adv * err
+
+
+def dsm_clip(err: torch.Tensor, err_old: torch.Tensor, adv: torch.Tensor, clip_range: float) -> torch.Tensor:
+    """DGPO's clip on the denoising (flow-matching) ratio ``rho = exp(e_old - e)`` per sample (K,) bool: True where
+    the sample has already moved far enough in its advantage's direction (A > 0 and rho > 1 + c, or A < 0 and
+    rho < 1 - c), so its error enters the loss detached."""
+    rho = torch.exp(err_old - err.detach())
+    return ((adv > 0) & (rho > 1 + clip_range)) | ((adv < 0) & (rho < 1 - clip_range))

@@ -557,3 +557,192 @@ class PreferencePairObjective(ForwardProcessObjective):
                 "ratio_max_abs_dev_first_update": 0.0, "mean_abs_log_ratio": 0.0, "kl_loss": 0.0,
                 "policy_loss": float(losses.mean()) if len(losses) else 0.0,
                 "dpo_accuracy": float(wins.mean()) if len(wins) else 0.0}
+
+
+class GroupPreferenceObjective(ForwardProcessObjective):
+    """DGPO on the forward process: each work item is one prompt's group at one training sigma, re-noised with one
+    shared noise; the policy, the reference and the old (fast EMA) weights each give the group's flow-matching
+    errors, and the rows are :func:`flowrl.losses.group_preference_loss` (with :func:`flowrl.losses.dsm_clip`'s
+    samples detached) plus ``train.kl_beta`` x the velocity MSE to the reference. Logs the denoising ratio
+    (``ratio_*``, 1 on the first update) and the clipped fraction (``clipfrac``)."""
+
+    def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
+        tree, dev, cfg = batch.tree, self.parts.device, self.cfg
+        self.cond = batch.cond
+        self.x0 = tree.leaves.to(dev)  # (L, *latent)
+        self.adv = tree.leaf_values(batch.node_adv).float().clamp(-cfg.advantage.clip, cfg.advantage.clip)  # (L,)
+        self.prompt_rows = tree.leaf_group
+        self.groups = [(tree.leaf_group == g).nonzero().flatten() for g in tree.leaf_group.unique().tolist()]
+        self.t = self.algorithm.training_timesteps(len(self.groups), self.parts.sigmas, gen)  # (P, k)
+        self.losses, self.kls, self.ratios, self.clipped, self.first, self.first_dev, self.nfe = [], [], [], [], True, 0.0, 0
+        return [(g, j) for g in range(len(self.groups)) for j in range(self.t.shape[1])]
+
+    def item_size(self, item) -> int:
+        return len(self.groups[item[0]])
+
+    def item_rows(self, item) -> int:
+        return len(self.groups[item[0]])
+
+    def micro_batch_loss(self, numbered: list[tuple[int, Any]], record: bool = True) -> torch.Tensor:
+        cfg, parts, policy, dev = self.cfg, self.parts, self.parts.policy, self.parts.device
+        adapter, autocast, opts = parts.adapter, parts.accelerator.autocast, self.algorithm.opts
+        members = [self.groups[g] for _, (g, _) in numbered]
+        leaves = torch.cat(members)  # (B,) every sample of the micro-batch's groups
+        sizes = [len(m) for m in members]
+        t = torch.cat([self.t[g, j].repeat(len(self.groups[g])) for _, (g, j) in numbered]).to(dev)  # (B,)
+        eps = torch.cat([self.eps[n].expand(len(self.groups[g]), *self.eps.shape[1:]) for n, (g, _) in numbered])
+        x0 = self.x0[leaves.to(dev)]
+        tt = t.view(-1, *([1] * (x0.ndim - 1)))
+        eps = eps.to(dev)
+        x_t = (1 - tt) * x0 + tt * eps  # (B, *latent): one noise per group
+        rows = self.cond.index(self.prompt_rows[leaves].to(self.cond.embeds.device))
+        with torch.no_grad(), autocast():
+            with policy.reference():
+                v_ref = adapter.velocity(x_t, t, rows)
+            with policy.old_weights():
+                v_old = adapter.velocity(x_t, t, rows)
+        with autocast():
+            v = adapter.velocity(x_t, t, rows)
+        target = eps - x0
+
+        def error(u):
+            return ((u.float() - target) ** 2).flatten(1).mean(1)  # (B,)
+
+        err, err_ref, err_old = error(v), error(v_ref), error(v_old)
+        adv = self.adv[leaves].to(dev)
+        out, clipped = [], []
+        for e, er, eo, a in zip(*(x.split(sizes) for x in (err, err_ref, err_old, adv))):
+            clip = losses.dsm_clip(e, eo, a, opts.clip_range)
+            clipped.append(clip)
+            out.append(losses.group_preference_loss(torch.where(clip, e.detach(), e), er, a, opts.dpo_beta))
+        loss = torch.cat(out)
+        kl = ((v.float() - v_ref.float()) ** 2).flatten(1).mean(1)
+        if not record:
+            return (loss + cfg.train.kl_beta * kl).sum()
+        self.nfe += 3 * len(leaves)
+        ratio = torch.exp(err_old - err.detach())
+        self.ratios.append(ratio)
+        if self.first:
+            self.first_dev = max(self.first_dev, float((ratio - 1).abs().max()))
+        self.clipped.append(torch.cat(clipped).float())
+        self.losses.append(loss.detach())
+        self.kls.append(kl.detach())
+        return (loss + cfg.train.kl_beta * kl).sum()
+
+    def end_minibatch(self, gen: torch.Generator) -> torch.Tensor | None:
+        self.first = False
+        return None
+
+    def statistics(self) -> dict:
+        procs = self.parts.procs
+        empty = [torch.zeros(0)]
+        losses_, kls, ratios, clipped = (torch.cat(x) for x in procs.gather_rows(
+            self.losses or empty, self.kls or empty, self.ratios or empty, self.clipped or empty))
+        return {"trained_edges": 0, "work_items": self.t.numel(), "nfe_train": procs.sum(self.nfe),
+                "clipfrac": float(clipped.mean()) if len(clipped) else 0.0, "approx_kl": 0.0,
+                "ratio_mean": float(ratios.mean()) if len(ratios) else 1.0,
+                "ratio_std": float(ratios.std(correction=0)) if len(ratios) else 0.0,
+                "ratio_max_abs_dev_first_update": max(procs.gather([self.first_dev])), "mean_abs_log_ratio": 0.0,
+                "policy_loss": float(losses_.mean()) if len(losses_) else 0.0,
+                "kl_loss": float(kls.mean()) if len(kls) else 0.0}
+
+
+class DistillationObjective(TransitionObjective):
+    """On-policy distillation: the transitions' objective, whose KL term's reference is the teacher, with the PPO
+    term scaled by ``algorithm.reward_weight`` (0: the rows are the KL alone)."""
+
+    def __init__(self, algorithm, parts: TrainingParts):
+        super().__init__(algorithm, parts)
+        self.fused = None  # the policy term is scaled: the eager path
+
+    def policy_rows(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, ratio = super().policy_rows(log_ratio, adv)
+        return self.algorithm.opts.reward_weight * loss, ratio
+
+
+class RewardBackpropObjective:
+    """Reward backpropagation (ReFL / DRaFT-K): each work item is one sample; its last ``algorithm.grad_steps``
+    ODE steps are re-run from the rollout's stored state with the policy's graph, the result is decoded with its
+    graph, and the loss row is minus the differentiable reward (plus ``train.kl_beta`` x the velocity MSE to the
+    reference over the re-run steps). Logs ``reward_grad_mean`` (the reward the update differentiated, equal to the
+    rollout's on the first update) and the re-run's gap to the rollout's final latents (``refl_rerun_gap``, 0 on
+    the first update)."""
+
+    needs_sampling_mean = False
+
+    def __init__(self, algorithm, parts: TrainingParts):
+        self.algorithm, self.parts, self.cfg = algorithm, parts, algorithm.cfg
+
+    def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
+        tree = self.tree = batch.tree
+        self.cond = batch.cond
+        k = self.algorithm.opts.grad_steps
+        start_round = tree.num_rounds - k  # a chain: round r holds the state at grid index r
+        # each leaf's ancestor K rounds up (the state the re-run starts from), following the parents
+        rounds, pos = tree.leaf_positions()
+        anc = pos.clone()
+        for r in range(tree.num_rounds, start_round, -1):
+            anc = tree.parent[r][anc]
+        self.start = tree.latents[start_round][anc]  # (L, *latent)
+        self.start_index = start_round
+        self.final = tree.leaves
+        self.rows = tree.leaf_group
+        self.rewards_seen, self.gaps, self.kls, self.nfe, self.first, self.first_gap = [], [], [], 0, True, 0.0
+        return list(range(len(anc)))
+
+    def item_size(self, item) -> int:
+        return 1
+
+    def item_rows(self, item) -> int:
+        return 1
+
+    def begin_minibatch(self, items: list, gen: torch.Generator) -> None:
+        pass
+
+    def micro_batch_loss(self, numbered: list[tuple[int, Any]], record: bool = True) -> torch.Tensor:
+        from .models.base import decode_with_grad
+
+        cfg, parts, dev = self.cfg, self.parts, self.parts.device
+        leaves = torch.tensor([i for _, i in numbered])
+        x = self.start[leaves].to(dev)  # (B, *latent)
+        rows = self.rows[leaves]
+        cond = self.cond.index(rows.to(self.cond.embeds.device))
+        sig = self.tree.sigmas.to(dev)
+        kl = torch.zeros(len(leaves), device=dev)
+        for i in range(self.start_index, len(sig) - 1):
+            s = sig[i].expand(len(leaves))
+            v, v_ref = velocities(parts, x, s, cond, cfg.train.kl_beta > 0)
+            if v_ref is not None:
+                kl = kl + ((v.float() - v_ref.float()) ** 2).flatten(1).mean(1) / self.algorithm.opts.grad_steps
+            x = x + (sig[i + 1] - sig[i]) * v.float()  # the ODE (Euler) step, as the rollout took it
+        with parts.accelerator.autocast():
+            images = decode_with_grad(parts.adapter, x)
+        prompts = [self.algorithm.prompts[int(g)] for g in rows]
+        metadata = [self.algorithm.metadata[int(g)] for g in rows] if self.algorithm.metadata else None
+        reward = self.algorithm.rewards.differentiable_total(images, prompts, metadata).to(dev)  # (B,)
+        loss = -reward + cfg.train.kl_beta * kl
+        if record:
+            self.nfe += len(leaves) * self.algorithm.opts.grad_steps
+            self.rewards_seen.append(reward.detach().cpu())
+            gap = (x.detach().cpu() - self.final[leaves]).abs().flatten(1).max(1).values
+            self.gaps.append(gap)
+            self.kls.append(kl.detach().cpu())
+            if self.first:
+                self.first_gap = max(self.first_gap, float(gap.max()))
+        return loss.sum()
+
+    def end_minibatch(self, gen: torch.Generator) -> torch.Tensor | None:
+        self.first = False
+        return None
+
+    def statistics(self) -> dict:
+        procs = self.parts.procs
+        empty = [torch.zeros(0)]
+        rewards, gaps, kls = (torch.cat(x) for x in procs.gather_rows(self.rewards_seen or empty, self.gaps or empty,
+                                                                     self.kls or empty))
+        return {"trained_edges": 0, "work_items": len(self.start), "nfe_train": procs.sum(self.nfe), "clipfrac": 0.0,
+                "approx_kl": 0.0, "ratio_mean": 1.0, "ratio_std": 0.0, "ratio_max_abs_dev_first_update": 0.0,
+                "mean_abs_log_ratio": 0.0, "policy_loss": -float(rewards.mean()) if len(rewards) else 0.0,
+                "kl_loss": float(kls.mean()) if len(kls) else 0.0,
+                "reward_grad_mean": float(rewards.mean()) if len(rewards) else 0.0,
+                "refl_rerun_gap": max(procs.gather([self.first_gap]))}

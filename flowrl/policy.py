@@ -108,6 +108,7 @@ class Policy:
             self.ema = EMAModel(self.params, decay=t.ema.decay)  # decay min((1+n)/(10+n), d) = Flow-GRPO's
         self.adapter = adapter
         self.old = None  # the old (sampling) policy's weights, where the algorithm keeps one
+        self.anchor = None  # a reference other than the starting weights (a teacher, a moving anchor), or None
 
     def _shard(self, cfg, adapter, device: torch.device, procs) -> None:
         """FSDP2 over every process (flowrl.sharding): the trained transformer and full fine-tuning's frozen
@@ -153,7 +154,13 @@ class Policy:
     def reference(self):
         """The KL reference policy in place of the trained one for the duration: the starting weights (LoRA
         disabled, or the frozen copy) or the EMA weights (``train.kl_reference``)."""
-        if self.kl_reference == "ema":
+        if self.anchor is not None:
+            self._swap(self.anchor)
+            try:
+                yield
+            finally:
+                self._swap(self.anchor)
+        elif self.kl_reference == "ema":
             with self.ema_weights():
                 yield
         elif self.frozen is None:
@@ -189,15 +196,38 @@ class Policy:
             self._swap_old()
 
     def _swap_old(self) -> None:
+        self._swap(self.old)
+
+    def _swap(self, other: list[torch.Tensor]) -> None:
+        """Exchange the trainable weights with the tensors of ``other`` (the same shapes, in place)."""
         if self.sharded:  # FSDP keeps its own views of the shards: exchange values, not tensors
             with torch.no_grad():
-                for o, p in zip(self.old, self.params):
+                for o, p in zip(other, self.params):
                     kept = p.detach().clone()
                     p.copy_(o)
                     o.copy_(kept)
             return
         for k, p in enumerate(self.params):
-            p.data, self.old[k] = self.old[k], p.data
+            p.data, other[k] = other[k], p.data
+
+    # ---------------------------------------------------------------- an anchor reference
+    @torch.no_grad()
+    def reset_anchor(self) -> None:
+        """The KL reference becomes a copy of the current trainable weights (GARDO's reference reset); with LoRA
+        the reference is the base model with this copy of the LoRA weights."""
+        self.anchor = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def load_anchor(self, ckpt_dir, cfg) -> None:
+        """The KL reference becomes a checkpoint's weights (on-policy distillation's teacher): a flowrl checkpoint
+        of the same model and LoRA layout, read into the transformer, copied, and the trained weights put back."""
+        from .checkpoint import checkpoint_is_lora, load_full_into, load_lora_into
+
+        kept = [p.detach().clone() for p in self.params]
+        (load_lora_into if checkpoint_is_lora(ckpt_dir) else load_full_into)(self.module, ckpt_dir, cfg)
+        self.anchor = [p.detach().clone() for p in self.params]
+        for p, k in zip(self.params, kept):
+            p.copy_(k)
 
     @torch.no_grad()
     def follow_old(self, decay: float) -> None:

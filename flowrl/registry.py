@@ -22,6 +22,8 @@ ALGORITHMS: dict[str, Any] = {
         ("diffusion_nft", "DiffusionNFT"), ("flow_dppo", "FlowDPPO"),
         ("delightful_pg", "DelightfulPG"), ("customized_grpo", "CustomizedGRPO"),
         ("awm", "AWM"), ("sft", "SFT"), ("online_dpo", "OnlineDPO"),
+        ("dgpo", "DGPO"), ("gardo", "GARDO"), ("refl", "ReFL"), ("on_policy_distillation", "OnPolicyDistillation"),
+        ("euphonium", "Euphonium"), ("ac_flow", "ACFlow"),
     ]
 }
 # model families (model.family): a ModelAdapter class with from_config(model_cfg, device)

@@ -77,6 +77,7 @@ class Trainer:
         self.rewards = build_reward_set(cfg.rewards)
         evaluator = resolve(EVALUATORS, cfg.log.eval, "log.eval")() if cfg.log.eval != "none" else None
         self.algorithm = make_algorithm(cfg)
+        self.algorithm.check_rewards(self.rewards)
         if cfg.train.fsdp.enabled:  # the mesh must fit the launch, the options the device
             from .sharding import check_options
 
@@ -120,6 +121,7 @@ class Trainer:
             self.eval_sampler = ShardedSampler(self.eval_sampler, self.procs, equal_shares=cfg.train.fsdp.enabled)
         self.sigmas, self.negative = self.rollout_sampler.sigmas, self.rollout_sampler.negative
         self.context = AlgorithmContext(self.prompts, self.rewards, self.rollout_sampler)
+        self.algorithm.attach(self.policy, self.context)
         options = kernel_options(cfg)
         self.objective = self.algorithm.make_objective(TrainingParts(
             cfg, self.adapter, self.policy, self.procs, self.sigmas, self.negative, options))

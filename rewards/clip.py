@@ -156,6 +156,18 @@ class ClipScore:
     def embed(self, images: torch.Tensor, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.embed_images(images), self.embed_text(list(prompts))
 
+    def score_with_grad(self, images: torch.Tensor, prompts: list[str], metadata=None) -> torch.Tensor:
+        """The score (N,) with its graph back to the images (N, 3, H, W) (reward backpropagation, guidance); the
+        model's weights stay frozen. The preprocessing must be differentiable (not ``pil``)."""
+        check_images("clip", images)
+        if self.backend == "transformers" or (not self.tiny and self.preprocess == "pil"):
+            raise RewardError("clip reward: gradients need the open_clip backend with preprocess='tensor_bilinear' "
+                              "or 'letterbox' (the PIL path leaves the graph)")
+        pixels = preprocess(images, self.size) if self.tiny else clip_pixels(images, self.size, self.preprocess)
+        img = self.model.encode_image(pixels.to(self.device), normalize=True).float()
+        txt = self.embed_text(list(prompts))
+        return scale_cosine((img * txt).sum(-1), self.convention, self.logit_scale)
+
     def __call__(self, images, prompts, metadata=None):
         check_images("clip", images)
         img, txt = self.embed(images, prompts)

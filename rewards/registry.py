@@ -143,6 +143,33 @@ class RewardSet:
         total[invalid] = math.nan
         return RewardScores(total.float(), {k: v.float() for k, v in components.items()}, invalid)
 
+    def not_differentiable(self) -> list[str]:
+        """The names of the rewards that cannot pass a gradient back to the images (empty: all can)."""
+        return [name for name, _, fn in self.items if differentiable_scorer(fn) is None]
+
+    def differentiable_total(self, images: torch.Tensor, prompts: list[str],
+                             metadata: list[dict] | None = None) -> torch.Tensor:
+        """The weighted sum (N,) with its graph back to ``images`` (N, 3, H, W) (or videos), for methods that
+        follow the reward's gradient (reward backpropagation, guided sampling)."""
+        bad = self.not_differentiable()
+        if bad:
+            raise RewardError(f"rewards {bad} pass no gradient to the images; use differentiable rewards (clip, or "
+                              f"a function marked differentiable = True)")
+        metadata = metadata if metadata is not None else [{} for _ in range(images.shape[0])]
+        total = 0.0
+        for _, weight, fn in self.items:
+            total = total + weight * differentiable_scorer(fn)(images, prompts, metadata).float()
+        return total
+
+
+def differentiable_scorer(scorer) -> Callable | None:
+    """The scorer's gradient-carrying form, or None: a scorer with a ``score_with_grad(images, prompts, metadata)``
+    method (the built-in CLIP reward), or a callable marked ``differentiable = True`` (a user's function that keeps
+    the graph from the images to its scores)."""
+    if callable(getattr(scorer, "score_with_grad", None)):
+        return scorer.score_with_grad
+    return scorer if getattr(scorer, "differentiable", False) else None
+
 
 def build_reward_set(specs) -> RewardSet:
     """From config ``RewardSpec`` items (name, weight, args)."""

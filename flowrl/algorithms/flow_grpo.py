@@ -91,6 +91,23 @@ class FlowGRPO:
                 raise ConfigError(f"algorithm.antithetic: the group is split into mirrored pairs; "
                                   f"algorithm.group_size={a.group_size} must be even")
 
+    def check_rewards(self, rewards) -> None:
+        """Called once the reward set is built, before a model loads: an algorithm that needs something of its
+        rewards (a gradient, a second reward) refuses the set here in one line.
+
+        Args:
+            rewards: the :class:`~rewards.registry.RewardSet`.
+        """
+
+    def attach(self, policy, ctx: AlgorithmContext) -> None:
+        """Called once the policy exists, before the first iteration: an algorithm that sets the KL reference
+        (a teacher, a moving anchor), follows a reward's gradient or samples on its own keeps what it needs here.
+
+        Args:
+            policy: the :class:`~flowrl.policy.Policy` (trained weights, reference, old copy).
+            ctx: the prompt pool, the reward set and ODE sampling (``ctx.sample.adapter`` is the model).
+        """
+
     # ------------------------------------------------------------------------------------------ prompts
     def choose_prompts(self, ctx: AlgorithmContext, it: int, gen: torch.Generator, row: dict):
         """Which prompts this iteration rolls out, and how many samples each gets.

@@ -87,3 +87,13 @@ class ModelAdapter(Protocol):
 
     def save_lora(self, directory: Path, layers: dict, metadata: dict) -> None:
         """LoRA weights in the family's diffusers format."""
+
+
+def decode_with_grad(adapter, latents: torch.Tensor) -> torch.Tensor:
+    """``adapter.decode`` with its graph kept back to ``latents`` (reward backpropagation and reward-gradient
+    guidance differentiate the reward of the decoded image). Every family's ``decode`` runs under
+    ``torch.no_grad`` for sampling; this calls the undecorated function under ``torch.enable_grad``."""
+    fn = type(adapter).decode
+    inner = getattr(fn, "__wrapped__", fn)
+    with torch.enable_grad():
+        return inner(adapter, latents)

@@ -1,0 +1,59 @@
+"""On-policy distillation: the student (the trained policy) rolls out with its own SDE, and at every trained
+transition it is pulled toward the teacher's transition from the same state, the Gaussian KL between the two
+transitions over the student's std,
+
+    L = train.kl_beta mean_k mean((mu_theta(x_k) - mu_T(x_k))^2) / (2 s_k^2)   (+ reward_weight x PPO(A)),
+
+with the teacher in the KL reference's place: a flowrl checkpoint (a run folder or a checkpoint folder) of the
+same model, read once at the start (``algorithm.teacher``). With ``reward_weight`` 0 (the default) no reward enters
+the loss: the reward is only logged, and the loss is pure distillation (verl-omni's ``distill_kl`` and UniRL's
+DiffusionOPD); with 1 it is Flow-GRPO's update plus the distillation term (verl-omni's recipe with a distillation
+coefficient). ``train.kl_std`` chooses the std (the transition's, or Flow-GRPO's without sqrt(|dt|)); the first
+update's ratio is still logged and is 1."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import opt
+from ..errors import ConfigError
+from .flow_grpo import FlowGRPO, FlowGRPOOptions
+
+
+class OnPolicyDistillationOptions(FlowGRPOOptions):
+    teacher: str = opt("", "the teacher: a flowrl run folder or checkpoint folder of the same model and LoRA layout "
+                       "(its weights become the KL reference)")
+    reward_weight: float = opt(0.0, "weight of the reward's PPO term beside the distillation (0 = pure "
+                               "distillation; the reward is still logged)", lo=0.0)
+
+
+class OnPolicyDistillation(FlowGRPO):
+    Options = OnPolicyDistillationOptions
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        super().check(cfg)
+        from ..checkpoint import find_checkpoint
+
+        if not cfg.algorithm.teacher:
+            raise ConfigError("algorithm.teacher: on_policy_distillation needs the teacher's run or checkpoint "
+                              "folder; set algorithm.teacher=PATH")
+        if cfg.train.kl_beta <= 0:
+            raise ConfigError("train.kl_beta: on_policy_distillation's loss is train.kl_beta x the KL to the "
+                              "teacher; set train.kl_beta > 0 (1.0 is the published coefficient)")
+        if cfg.train.kl_reference != "initial":
+            raise ConfigError("train.kl_reference: on_policy_distillation's reference is the teacher; leave "
+                              "train.kl_reference=initial")
+        find_checkpoint(cfg.algorithm.teacher)  # a missing or unreadable teacher fails here, before any work
+
+    def attach(self, policy, ctx) -> None:
+        """The teacher's weights become the KL reference."""
+        from ..checkpoint import find_checkpoint
+
+        policy.load_anchor(find_checkpoint(self.opts.teacher), self.cfg)
+
+    def make_objective(self, parts):
+        """The transitions' objective with the policy term scaled by ``reward_weight``."""
+        from ..objectives import DistillationObjective
+
+        return DistillationObjective(self, parts)
