@@ -45,6 +45,8 @@ class Round:
     stride: torch.Tensor  # (N,) long, completion stride of a side branch (0: not completing)
     mean: torch.Tensor | None = None  # (N, *latent) sampling mean of the edge (its sample for ODE edges), kept
     # only when the rollout is asked to (an objective that normalises by the old mean)
+    process_reward: torch.Tensor | None = None  # (N,) a guided plan's process reward at the edge's parent (0 on
+    # unguided edges); None when the plan has no guidance
 
     @property
     def size(self) -> int:
@@ -52,7 +54,7 @@ class Round:
 
 
 # the fields every node has (the sampling mean is kept only on request)
-ROUND_FIELDS = tuple(f.name for f in dataclasses.fields(Round) if f.name != "mean")
+ROUND_FIELDS = tuple(f.name for f in dataclasses.fields(Round) if f.name not in ("mean", "process_reward"))
 
 
 @dataclass
@@ -128,7 +130,9 @@ class Tree:
             prompts += int(t.rounds[0].group.max()) + 1
             roots += t.rounds[0].size
         merged = [Round(**{f: torch.cat([getattr(p, f) for p in parts]) for f in ROUND_FIELDS},
-                        mean=torch.cat([p.mean for p in parts]) if parts[0].mean is not None else None)
+                        mean=torch.cat([p.mean for p in parts]) if parts[0].mean is not None else None,
+                        process_reward=(torch.cat([p.process_reward for p in parts])
+                                        if parts[0].process_reward is not None else None))
                   for parts in shifted]
         return cls(trees[0].sigmas, merged, trees[0].plan, nfe=sum(t.nfe for t in trees),
                    transformer_calls=sum(t.transformer_calls for t in trees))
@@ -259,7 +263,7 @@ def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Te
                    *, kernel: str, noise_level: float, generator: torch.Generator, log_prob_reduce: str = "mean",
                    initial_noise: torch.Tensor | None = None, roots: list[int] | None = None,
                    kernel_options: dict | None = None,
-                   store_mean: bool = False) -> Generator[tuple, torch.Tensor, Tree]:
+                   store_mean: bool = False, row_offset: int = 0) -> Generator[tuple, torch.Tensor, Tree]:
     """The rollout of ``plan`` for ``num_prompts`` prompt rows as a generator of velocity requests: it yields
     ``(x (N, *latent), sigma (N,), rows (N,))`` for each round's live nodes, is sent their velocities (N, *latent),
     and returns the tree. :func:`rollout` drives one; :func:`packed_rollouts` drives several through shared calls.
@@ -269,6 +273,7 @@ def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Te
     (P * roots, C, H, W) overrides the root draw (used by tests and sample grids). ``roots`` gives each prompt its
     own number of initial noises (SuperFlow's per-prompt group sizes) instead of ``plan.roots_per_prompt``. ``store_mean`` keeps each
     edge's sampling mean in ``tree.mean`` (GRPO-Guard's ratio normalisation needs the old policy's mean).
+    ``row_offset`` is this batch's first prompt row in the whole batch (what ``plan.guidance`` is given).
     """
     t_steps = plan.num_steps
     sigmas = sigmas.float().cpu()
@@ -303,6 +308,7 @@ def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Te
         v = torch.zeros_like(x)
         v[live.to(device)] = v_live
         parts: list[_Edges] = []  # this round's new nodes: main-line children, side jumps, completions
+        process = None  # the guidance's process rewards of this round's main-line children (first in parts)
         main = live[lineage[live] < 0]
         if main.numel():
             i = int(idx[main[0]])  # the main line advances one index per round
@@ -316,6 +322,12 @@ def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Te
                 if spec.sde:
                     noise = sibling_noise(tuple(xp.shape), spec.branch, spec.sibling_noise, spec.sibling_strength, generator)
                     xs, lp, sd, mean = sde_step(xp, vp, s, s_next, level, noise.to(device))
+                    if spec.guided and plan.guidance is not None:  # the sample moves; its log-prob is the unguided one's
+                        shift, process = plan.guidance(xp, vp, s, s_next, cur.group[par] + row_offset)
+                        xs = xs + shift
+                        lp = kernel_step(kernel, xp, vp, s, s_next, noise_level=level, sigma_at_one=sigma_at_one,
+                                         prev_sample=xs, reduce=log_prob_reduce,
+                                         **(kernel_options or {})).log_prob.float()
                 else:
                     xs = kernel_step("ode", xp, vp, s, s_next, noise_level=0.0).sample
                     lp = sd = torch.zeros(n, device=device)
@@ -347,6 +359,11 @@ def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Te
             parts.append(_Edges(par, xs, cn, lineage[par], zeros_dev, zeros_dev, torch.zeros(n),
                                 torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool), step_len, xs))
         tree.rounds.append(_Edges.join(parts, cur, store_mean))
+        if plan.guidance is not None:
+            pr = torch.zeros(tree.rounds[-1].size)
+            if process is not None:
+                pr[: len(process)] = process.detach().float().cpu()
+            tree.rounds[-1].process_reward = pr
         r += 1
     # one device-to-host copy of the edges' log-probs and stds, not one synchronisation per round
     for rnd in tree.rounds:
@@ -426,7 +443,7 @@ def packed_rollouts(adapter, cond, batches: list[tuple[int, int, torch.Generator
     trees in batch order; ``transformer_calls`` is shared, so each tree carries the calls of the rounds it took
     part in, divided among the batches in them by their node counts (the total is the true call count)."""
     gens = [rollout_rounds(b - a, adapter.device, plan, sigmas, latent_shape, generator=g,
-                           roots=roots[a:b] if roots else None, **options) for a, b, g in batches]
+                           roots=roots[a:b] if roots else None, row_offset=a, **options) for a, b, g in batches]
     trees: list[Tree | None] = [None] * len(batches)
     share = [0.0] * len(batches)
     pending: dict[int, tuple] = {}

@@ -17,6 +17,7 @@ one (the anchor itself is never scored, so it stops there).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 SIBLING_NOISE = ("independent", "correlated", "scaled", "antithetic")
 
@@ -39,6 +40,9 @@ class StepSpec:
     #   antithetic:  eps_{b + branch/2} = -eps_b (mirrored pairs; each N(0, I); an even branch)
     sibling_noise: str = "independent"
     sibling_strength: float = 4.0
+    # the plan's guidance shifts this step's main-line SDE sample (reward-gradient guidance, Euphonium); the
+    # log-prob stays that of the unguided transition
+    guided: bool = False
 
 
 @dataclass
@@ -46,6 +50,9 @@ class RolloutPlan:
     steps: list[StepSpec]
     roots_per_prompt: int = 1
     notes: dict = field(default_factory=dict)
+    # guided steps call guidance(x, v, sigma, sigma_next, rows) -> (shift of the sample (N, *latent), process
+    # reward (N,)), with x, v (N, *latent) the parents and their velocities and rows their prompt rows
+    guidance: Callable | None = None
 
     def __post_init__(self):
         if self.roots_per_prompt < 1:
