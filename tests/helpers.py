@@ -17,6 +17,18 @@ def brightness(images, prompts, metadata):
     return images.mean(dim=(1, 2, 3))
 
 
+brightness.differentiable = True  # the mean keeps the graph: reward backpropagation and guidance can use it
+
+
+def video_brightness(images, prompts, metadata):
+    """Videos (N, F, 3, H, W) -> their mean pixel (N,), differentiable."""
+    return images.flatten(1).mean(1)
+
+
+video_brightness.differentiable = True
+video_brightness.accepts_video = True
+
+
 def per_prompt_constant(images, prompts, metadata):
     """Equal within every group, different between prompts: every group has zero variance."""
     return torch.tensor([float(len(p) % 3) for p in prompts])

@@ -33,7 +33,14 @@ ALGORITHMS = {
     "customized_grpo": ["algorithm.group_size=2"], "awm": ["algorithm.group_size=2", "algorithm.timesteps_per_sample=1"],
     "sft": ["algorithm.group_size=2", "algorithm.timesteps_per_sample=1"],
     "online_dpo": ["algorithm.group_size=2", "algorithm.timesteps_per_sample=1"],
+    "dgpo": ["algorithm.group_size=2", "algorithm.timesteps_per_sample=1"], "gardo": ["train.kl_beta=0.04"],
+    "refl": [], "on_policy_distillation": ["train.kl_beta=1.0"],
+    "euphonium": ["sampler.kernel=dance", "algorithm.guidance_start=2", "algorithm.group_size=2"],
+    "ac_flow": ["algorithm.group_size=2", "algorithm.timesteps_per_sample=1", "algorithm.critic_warmup=0"],
 }
+DIFFERENTIABLE = {f: "tests.helpers:brightness" for f in FAMILIES}
+DIFFERENTIABLE["wan"] = "tests.helpers:video_brightness"
+NO_EDGES = ("diffusion_nft", "awm", "sft", "online_dpo", "dgpo", "refl", "ac_flow")  # re-noised samples or re-runs
 
 
 def family_cfg(family, *extra):
@@ -222,15 +229,22 @@ def test_flux_sigmas_are_the_pipelines():
 def test_every_algorithm_trains_on_every_family(tmp_path, family, algorithm):
     from flowrl.trainer import Trainer
 
-    reward = REWARD[family]
-    if algorithm == "customized_grpo":  # it fuses two rewards: the same one twice
+    reward, extra = REWARD[family], []
+    if algorithm in ("customized_grpo", "gardo"):  # two rewards (fused, or main and auxiliary): the same one twice
         reward = reward[:-1] + ", " + reward[len("rewards=["):]
-    cfg = family_cfg(family, f"algorithm.name={algorithm}", *ALGORITHMS[algorithm], "sampler.num_steps=4",
-                     "train.prompts_per_iter=2", f"log.output_dir={tmp_path}", "log.run_name=t", "log.sample_every=0",
-                     "log.save_every=0", reward, "train.clip_range=1e-2")
+    if algorithm == "refl":  # it differentiates the reward
+        reward = f"rewards=[{{name: '{DIFFERENTIABLE[family]}'}}]"
+    if algorithm == "euphonium":  # its process reward's gradient guides the sampler
+        extra = [f"algorithm.process_reward={DIFFERENTIABLE[family]}"]
+    common = ["sampler.num_steps=4", "train.prompts_per_iter=2", f"log.output_dir={tmp_path}", "log.sample_every=0",
+              "log.save_every=0", reward, "train.clip_range=1e-2"]
+    if algorithm == "on_policy_distillation":  # the teacher: a checkpoint of this family's model
+        teacher = Trainer(family_cfg(family, *common, "log.run_name=teacher"))
+        extra = [f"algorithm.teacher={teacher.save(0)}"]
+    cfg = family_cfg(family, f"algorithm.name={algorithm}", *ALGORITHMS[algorithm], *common, "log.run_name=t", *extra)
     row = Trainer(cfg).iteration(0)
     assert row["optimizer_steps"] >= 1 and row["nfe_train"] > 0
-    assert row["trained_edges"] > 0 or algorithm in ("diffusion_nft", "awm", "sft", "online_dpo")  # re-noised samples, not edges
+    assert row["trained_edges"] > 0 or algorithm in NO_EDGES
     assert row["ratio_max_abs_dev_first_update"] < 1e-5
 
 

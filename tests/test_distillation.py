@@ -1,0 +1,55 @@
+"""On-policy distillation: the teacher becomes the KL reference, the loss is the KL alone, and the student
+approaches the teacher."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import make_cfg
+
+BASE = ["sampler.num_steps=4", "train.prompts_per_iter=2", "rewards[0].name=jpeg_incompressibility",
+        "algorithm.group_size=2"]
+
+
+def test_student_approaches_its_teacher(tmp_path):
+    from flowrl.trainer import Trainer
+
+    teacher = Trainer(make_cfg(tmp_path / "teacher", *BASE, "train.iterations=2", "train.lr=1e-2")).train()
+    cfg = make_cfg(tmp_path / "student", *BASE, "algorithm.name=on_policy_distillation",
+                   f"algorithm.teacher={teacher}", "train.kl_beta=1.0", "train.lr=3e-3")
+    trainer = Trainer(cfg)
+    from flowrl.checkpoint import find_checkpoint
+    from safetensors.torch import load_file
+
+    # the reference holds the teacher's LoRA weights, and the trained weights are still the student's (zero B)
+    saved = load_file(str(find_checkpoint(teacher) / "pytorch_lora_weights.safetensors"))
+    assert sum(float(v.abs().sum()) for k, v in saved.items() if "lora_B" in k) > 0
+    assert sum(float(a.abs().sum()) for a in trainer.policy.anchor) > sum(
+        float(p.detach().abs().sum()) for p in trainer.policy.params)
+    rows = [trainer.iteration(i) for i in range(4)]
+    assert all(r["policy_loss"] == 0.0 for r in rows)  # reward_weight 0: no reward term in the loss
+    assert rows[0]["ratio_max_abs_dev_first_update"] < 1e-5
+    kls = [r["kl_loss"] for r in rows]
+    assert kls[0] > 0 and kls[-1] < 0.8 * kls[0], kls  # the KL to the teacher falls as the student learns
+
+
+def test_the_loss_is_the_gaussian_kl_by_hand():
+    from flowrl.losses import gaussian_kl_same_std
+
+    mu, mu_t, std = torch.tensor([[0.5, -0.5]]), torch.tensor([[0.3, -0.1]]), torch.tensor([[0.2, 0.2]])
+    # mean over elements of (mu - mu_T)^2 / (2 s^2) = ((0.04 + 0.16) / 2) / 0.08 = 1.25
+    assert gaussian_kl_same_std(mu, mu_t, std).tolist() == pytest.approx([1.25])
+
+
+def test_needs_a_teacher_and_a_coefficient(tmp_path):
+    from flowrl.config import load_config
+    from flowrl.errors import ConfigError, FlowRLError
+
+    with pytest.raises(ConfigError, match="needs the teacher"):
+        load_config(None, ["algorithm.name=on_policy_distillation", "train.kl_beta=1"])
+    with pytest.raises(ConfigError, match="set train.kl_beta > 0"):
+        load_config(None, ["algorithm.name=on_policy_distillation", f"algorithm.teacher={tmp_path}"])
+    with pytest.raises(FlowRLError, match="neither a run directory nor a flowrl checkpoint"):
+        load_config(None, ["algorithm.name=on_policy_distillation", f"algorithm.teacher={tmp_path}",
+                           "train.kl_beta=1"])
