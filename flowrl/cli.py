@@ -203,17 +203,31 @@ def cmd_compare(args) -> int:
 
 
 def cmd_rank(args) -> int:
-    from .report import atomic_write_bytes, format_rank_table, rank_runs, write_csv
+    from .report import atomic_write_bytes, compare_runs, format_rank_table, rank_runs, write_csv
 
-    for d in args.runs:
-        if not Path(d).is_dir():
-            raise FlowRLError(f"{d}: not a directory")
-    table, baseline = rank_runs([Path(d) for d in args.runs], args.baseline, metric=args.metric)
+    if bool(args.runs) == bool(args.plan):
+        raise FlowRLError("flowrl rank: give run directories, or --plan FILE (not both)")
+    baseline = args.baseline
+    if args.plan:
+        from .report.plan import read_plan, run_plan
+
+        runs = run_plan(Path(args.plan), Path(args.out), args.jobs, args.labels)
+        baseline = baseline or read_plan(Path(args.plan))[0].get("baseline")
+        if not runs:
+            raise FlowRLError(f"{args.plan}: no run of the plan finished (see {Path(args.out) / 'logs'})")
+    else:
+        runs = [Path(d) for d in args.runs]
+        for d in runs:
+            if not d.is_dir():
+                raise FlowRLError(f"{d}: not a directory")
+    table, baseline = rank_runs(runs, baseline, metric=args.metric)
     text = format_rank_table(table, baseline)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out / "rank.md", (text + "\n").encode())
     write_csv(out / "rank.csv", [{**r, "seeds": " ".join(map(str, r["seeds"]))} for r in table], list(table[0]))
+    if args.plan:  # the held-out curves with their standard-error bands, against training time
+        compare_runs(runs, out, "time", "heldout/all", band="se")
     print(text)
     return 0
 
@@ -541,7 +555,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compare)
     rk = sub.add_parser("rank", help="ranked preset table from finished runs: held-out gain mean +- standard error "
                         "over seeds, reward, cleanliness, time, images; differences from a baseline beyond 2 SE")
-    rk.add_argument("runs", nargs="+", help="run directories (runs differing only in train.seed form one preset)")
+    rk.add_argument("runs", nargs="*", help="run directories (runs differing only in train.seed form one preset)")
+    rk.add_argument("--plan", help="a plan file (configs/benchmarks/ranked.yaml): train its missing runs into --out "
+                    "first, then rank them and draw their held-out curves (compare.png)")
+    rk.add_argument("--jobs", type=positive_int, default=None, help="with --plan: runs at a time (default: the plan's)")
+    rk.add_argument("--labels", nargs="+", help="with --plan: only these labels")
     rk.add_argument("--baseline", help="the preset label compared against (default: the first run's)")
     rk.add_argument("--out", default="rank", help="folder for rank.csv and rank.md")
     rk.add_argument("--metric", default=None, help="the held-out number to rank by (default: the evaluator's headline, "

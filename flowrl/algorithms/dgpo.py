@@ -42,6 +42,16 @@ class DGPO(DiffusionNFT):
     keeps_old_policy = True  # the fast EMA: the denoising ratio's old errors, and the rollouts after the switch
     refuses_grpo_guard = "dgpo has no transition ratios to normalise"
 
+    @classmethod
+    def check(cls, cfg) -> None:
+        super().check(cfg)
+        if not cfg.train.lora.enabled and cfg.train.kl_beta <= 0:
+            from ..errors import ConfigError
+
+            raise ConfigError("train.kl_beta: dgpo compares the policy with the starting weights, which full "
+                              "fine-tuning keeps only with a KL; set train.kl_beta > 0 (the code: 0.001-0.02) or "
+                              "train.lora.enabled=true")
+
     def training_timesteps(self, n: int, sigmas: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         """(n, k) sigmas: k grid indices from the first trunc_steps, without replacement, shared by every sample."""
         pool = min(self.opts.trunc_steps, len(sigmas) - 1)
