@@ -63,6 +63,26 @@ class VideoFrames:
         mean = torch.where(ok, scores, 0).sum(1) / ok.sum(1).clamp_min(1)
         return torch.where(ok.any(1), mean, torch.nan).float()
 
+    def __getattr__(self, name):
+        # score_with_grad exists exactly when the frame reward passes gradients (reward-gradient methods ask)
+        if name == "score_with_grad" and "image_reward" in self.__dict__:
+            from .registry import differentiable_scorer
+
+            inner = differentiable_scorer(self.image_reward)
+            if inner is not None:
+                return lambda videos, prompts, metadata=None: self._mean_with_grad(inner, videos, prompts, metadata)
+        raise AttributeError(name)
+
+    def _mean_with_grad(self, inner, videos, prompts, metadata):
+        """The frames' mean score (N,) with its graph back to the videos (N, F, 3, H, W)."""
+        _check_video("video_frames", videos)
+        n, f = videos.shape[:2]
+        idx = frame_indices(f, self.frames, self.stride)
+        frames = videos[:, idx].reshape(n * len(idx), *videos.shape[2:])
+        meta = metadata if metadata is not None else [{} for _ in range(n)]
+        scores = inner(frames, [p for p in prompts for _ in idx], [m for m in meta for _ in idx])
+        return scores.float().view(n, len(idx)).mean(1)
+
 
 @register_reward("temporal_consistency")
 class TemporalConsistency:
