@@ -8,11 +8,14 @@ optimisation loop (:func:`flowrl.optimise.optimise`) drives it through the small
    micro-batch of this process's share, then :meth:`~Objective.end_minibatch` (extra terms of the minibatch);
 3. :meth:`~Objective.statistics` after the last step: the update's numbers, gathered over processes.
 
-Two objectives ship. :class:`TransitionObjective` scores the sampler's own stochastic transitions (log-prob of
+Three families ship. :class:`TransitionObjective` scores the sampler's own stochastic transitions (log-prob of
 each trained edge, ratio to the rollout's, PPO clip, KLs to a reference at the trained and the untrained steps,
-GRPO-Guard's normalised ratio as an option, a compiled fused path): every GRPO-style method. 
+GRPO-Guard's normalised ratio as an option, a compiled fused path): every GRPO-style method, with subclasses that
+replace its policy term (Flow-DPPO's divergence mask, the Delightful PG's gate, on-policy distillation).
 :class:`ForwardProcessObjective` re-noises the clean samples and applies the algorithm's per-sample loss on the
-forward process (DiffusionNFT).
+forward process (DiffusionNFT, AWM, SFT, AC-Flow), with the pairwise (online DPO) and group (DGPO) forms.
+:class:`RewardBackpropObjective` re-runs the last sampling steps with the graph and differentiates the reward
+(ReFL / DRaFT-K).
 """
 
 from __future__ import annotations
@@ -135,6 +138,7 @@ class TransitionObjective:
                       and not self.guard else None)  # GRPO-Guard rewrites the log-ratio: the eager path
 
     divergence_std: str | None = None  # set by objectives that need each edge's divergence from its rollout
+    trains_transitions = True  # the loss is over the plan's trained edges
 
     @property
     def needs_sampling_mean(self) -> bool:
@@ -426,6 +430,7 @@ class ForwardProcessObjective:
     with the old policy's velocity beside the trained one's, plus ``train.kl_beta`` x mean((v - v_ref)^2)."""
 
     needs_sampling_mean = False
+    trains_transitions = False  # the plan's trained edges do not enter the loss (its rollout may be all ODE)
 
     def __init__(self, algorithm, parts: TrainingParts):
         self.algorithm, self.parts, self.cfg = algorithm, parts, algorithm.cfg
@@ -669,6 +674,7 @@ class RewardBackpropObjective:
     the first update)."""
 
     needs_sampling_mean = False
+    trains_transitions = False
 
     def __init__(self, algorithm, parts: TrainingParts):
         self.algorithm, self.parts, self.cfg = algorithm, parts, algorithm.cfg

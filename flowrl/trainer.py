@@ -77,7 +77,7 @@ class Trainer:
         self.rewards = build_reward_set(cfg.rewards)
         evaluator = resolve(EVALUATORS, cfg.log.eval, "log.eval")() if cfg.log.eval != "none" else None
         self.algorithm = make_algorithm(cfg)
-        self.algorithm.check_rewards(self.rewards)
+        self.algorithm.check_inputs(self.rewards)
         if cfg.train.fsdp.enabled:  # the mesh must fit the launch, the options the device
             from .sharding import check_options
 

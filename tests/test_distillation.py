@@ -50,6 +50,10 @@ def test_needs_a_teacher_and_a_coefficient(tmp_path):
         load_config(None, ["algorithm.name=on_policy_distillation", "train.kl_beta=1"])
     with pytest.raises(ConfigError, match="set train.kl_beta > 0"):
         load_config(None, ["algorithm.name=on_policy_distillation", f"algorithm.teacher={tmp_path}"])
+    from flowrl.trainer import Trainer
+
+    cfg = make_cfg(tmp_path, "algorithm.name=on_policy_distillation", f"algorithm.teacher={tmp_path}",
+                   "train.kl_beta=1")
     with pytest.raises(FlowRLError, match="neither a run directory nor a flowrl checkpoint"):
-        load_config(None, ["algorithm.name=on_policy_distillation", f"algorithm.teacher={tmp_path}",
-                           "train.kl_beta=1"])
+        Trainer(cfg)
+    assert not (tmp_path / "t").exists()  # refused before the run folder

@@ -107,7 +107,8 @@ def test_antithetic_siblings_mirror_the_shared_step(tiny_adapter, tmp_path):
 def test_mix_window_plans(tmp_path):
     cfg = make_cfg(tmp_path, "algorithm.name=mix_grpo", "sampler.num_steps=10", "algorithm.window.size=3",
                    "algorithm.window.placement=progressive", "algorithm.window.iters_per_shift=2",
-                   "algorithm.window.stride=2", "algorithm.shared_noise=true", "algorithm.group_size=4")
+                   "algorithm.window.stride=2", "algorithm.shared_noise=true", "algorithm.group_size=4",
+                   "algorithm.window.near_end=full", "algorithm.window.range_end=-1")
     starts = [make_algorithm(cfg).plan(it).notes["window_start"] for it in range(12)]
     # last start = 9 - 3 = 6; positions 0, 2, 4, 6 then roll back
     assert starts == [0, 0, 2, 2, 4, 4, 6, 6, 0, 0, 2, 2]
@@ -116,6 +117,17 @@ def test_mix_window_plans(tmp_path):
     assert [s.trained for s in plan.steps] == [s.sde for s in plan.steps]
     assert plan.steps[2].branch == 4 and plan.roots_per_prompt == 1  # shared ODE prefix, branch at the window
     assert plan.counts()["nfe"] == 3 + 4 * 7  # depths 0-2: one node; depths 3-9: four
+    # MixGRPO's code: starts run on to T - 2 = 8, the window is cut before step 8, then empty, then back to 0
+    cfg_c = make_cfg(tmp_path, "algorithm.name=mix_grpo", "sampler.num_steps=10", "algorithm.window.size=4",
+                     "algorithm.window.iters_per_shift=1", "algorithm.group_size=4")
+    windows = []
+    for it in range(11):
+        plan = make_algorithm(cfg_c).plan(it)
+        windows.append([i for i, s in enumerate(plan.steps) if s.trained])
+    assert windows == [[0, 1, 2, 3], [1, 2, 3, 4], [2, 3, 4, 5], [3, 4, 5, 6], [4, 5, 6, 7], [5, 6, 7], [6, 7], [7],
+                       [], [0, 1, 2, 3], [1, 2, 3, 4]]
+    empty = make_algorithm(cfg_c).plan(8)
+    assert empty.roots_per_prompt == 1 and not any(s.sde for s in empty.steps)  # one ODE sample per prompt
     cfg_r = make_cfg(tmp_path, "algorithm.name=flow_grpo_fast", "algorithm.window.size=2",
                      "algorithm.window.placement=random", "algorithm.window.range_start=0", "algorithm.window.range_end=5")
     seen = {make_algorithm(cfg_r).plan(it, random.Random(it)).notes["window_start"] for it in range(50)}

@@ -27,12 +27,13 @@ def test_preset_loads_and_names_its_command(path):
         active = len(algo.active_steps())
         assert plan.leaves_per_prompt == cfg.algorithm.group_size * cfg.algorithm.seeds * active
     else:  # SuperFlow's plan holds its largest group (each prompt's own size comes from the tracker)
-        assert plan.leaves_per_prompt == getattr(cfg.algorithm, "group_size", None) or cfg.algorithm.max_group
-    # every preset trains something: edges, or (DiffusionNFT) re-noised clean samples from an all-ODE rollout
-    from flowrl.objectives import ForwardProcessObjective
-
-    on_forward_process = isinstance(algo.make_objective(None), ForwardProcessObjective)
-    assert plan.counts()["trained_edges"] > 0 or (on_forward_process and plan.counts()["trained_edges"] == 0)
+        a = cfg.algorithm
+        assert plan.leaves_per_prompt == (getattr(a, "group_size", None) or getattr(a, "samples_per_prompt", None)
+                                          or a.max_group)
+    # every preset trains something: edges, or (DiffusionNFT, ReFL, ...) re-noised or re-run samples of an all-ODE
+    # rollout
+    on_edges = algo.make_objective(None).trains_transitions
+    assert plan.counts()["trained_edges"] > 0 if on_edges else plan.counts()["trained_edges"] == 0
 
 
 def test_preset_accounting():

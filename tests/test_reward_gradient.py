@@ -97,7 +97,7 @@ def test_euphonium_guidance_by_hand():
     cfg = load_config(None, ["algorithm.name=euphonium", "sampler.kernel=dance", "algorithm.guidance_scale=2.0",
                              "algorithm.process_reward=tests.helpers:brightness", *SHAPES])
     algo = Euphonium(cfg)
-    algo.check_rewards(None)
+    algo.check_inputs(None)
     algo.adapter = load_adapter(cfg.model)
     algo.prompts, algo.metadata = ["a red circle on a blue background"], None
     x, v = torch.full((2, 3, 32, 32), 0.1), torch.full((2, 3, 32, 32), 0.2)

@@ -25,10 +25,15 @@ class WindowOptions(Section):
                          choices=["fixed", "random", "progressive"])
     start: int = opt(0, "first window step for fixed placement", lo=0)
     range_start: int = opt(0, "earliest window start (random / progressive)", lo=0)
-    range_end: int = opt(-1, "window must end by this step (-1 = num_steps - 1)")
+    range_end: int = opt(-1, "the window stays before this step (negative counts from the end: -1 = num_steps - 1, "
+                            "-2 = num_steps - 2)")
     stride: int = opt(1, "progressive: steps the window moves each shift", lo=0)
     iters_per_shift: int = opt(25, "progressive: iterations before the window moves", lo=1)
     roll_back: bool = opt(True, "progressive: restart at range_start after the last position")
+    near_end: str = opt("full", "progressive: full = the window keeps its size and its last start is the last "
+                        "where it fits; shrink (MixGRPO's code) = starts run on to range_end, the window is cut "
+                        "there, and at range_end it is empty (an iteration that trains nothing)",
+                        choices=["full", "shrink"])
 
 
 class GroupOptions(AlgorithmOptions):
@@ -51,16 +56,36 @@ def check_window(cfg, required: bool) -> None:
         raise ConfigError(f"algorithm.window.size: {name} needs a window of at least 1 step")
     if w.size < 1:
         return
-    end = t - 1 if w.range_end < 0 else w.range_end
-    if w.size > end - (w.range_start if w.placement != "fixed" else w.start):
+    if w.near_end == "shrink" and w.placement != "progressive":
+        raise ConfigError("algorithm.window.near_end=shrink: only a progressive window moves toward the end; set "
+                          "algorithm.window.placement=progressive or near_end=full")
+    end = window_end(w, t)
+    if w.near_end == "shrink":
+        if not w.range_start < end <= t:
+            raise ConfigError(f"algorithm.window.range_end: the window's range {w.range_start}..{end} is empty for "
+                              f"sampler.num_steps={t}")
+    elif w.size > end - (w.range_start if w.placement != "fixed" else w.start):
         raise ConfigError(f"algorithm.window.size: a window of {w.size} does not fit before step {end} of "
                           f"{t}; lower the size or raise sampler.num_steps")
 
 
+def window_end(w: WindowOptions, num_steps: int) -> int:
+    """The step the window stays before (``range_end``; negative counts from the end)."""
+    return num_steps + w.range_end if w.range_end < 0 else w.range_end
+
+
+def window_steps(w: WindowOptions, num_steps: int, iteration: int, rng: random.Random) -> tuple[int, int]:
+    """``(start, stop)``: the SDE window at ``iteration`` is steps start..stop - 1 (empty when they are equal,
+    which only ``near_end=shrink`` allows)."""
+    start = window_start(w, num_steps, iteration, rng)
+    stop = start + w.size
+    return start, min(stop, window_end(w, num_steps)) if w.near_end == "shrink" else stop
+
+
 def window_start(w: WindowOptions, num_steps: int, iteration: int, rng: random.Random) -> int:
     """Start index of the SDE window at ``iteration``."""
-    end = num_steps - 1 if w.range_end < 0 else w.range_end
-    last_start = end - w.size
+    end = window_end(w, num_steps)
+    last_start = end if w.near_end == "shrink" and w.placement == "progressive" else end - w.size
     if w.placement == "fixed":
         return min(w.start, last_start)
     if w.placement == "random":

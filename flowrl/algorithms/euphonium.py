@@ -72,7 +72,7 @@ class Euphonium(DanceGRPO):
             raise ConfigError(f"algorithm.guidance_start={cfg.algorithm.guidance_start}: no step of "
                               f"sampler.num_steps={cfg.sampler.num_steps} would be guided")
 
-    def check_rewards(self, rewards) -> None:
+    def check_inputs(self, rewards) -> None:
         from ..config import RewardSpec
         from ..rewards import build_reward_set
 

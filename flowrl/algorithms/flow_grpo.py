@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..objectives import TransitionObjective
 from ..samplers import RolloutPlan, StepSpec
 from ..trackers import BetaTracker
-from .base import AlgorithmContext, Unit, WindowedOptions, check_window, window_start
+from .base import AlgorithmContext, Unit, WindowedOptions, check_window, window_steps
 
 
 class FlowGRPOOptions(WindowedOptions):
@@ -91,9 +91,10 @@ class FlowGRPO:
                 raise ConfigError(f"algorithm.antithetic: the group is split into mirrored pairs; "
                                   f"algorithm.group_size={a.group_size} must be even")
 
-    def check_rewards(self, rewards) -> None:
-        """Called once the reward set is built, before a model loads: an algorithm that needs something of its
-        rewards (a gradient, a second reward) refuses the set here in one line.
+    def check_inputs(self, rewards) -> None:
+        """Called once the reward set is built, before a model loads or the run folder is made: an algorithm that
+        needs something outside its config (rewards that pass a gradient, a teacher checkpoint) refuses here in one
+        line.
 
         Args:
             rewards: the :class:`~rewards.registry.RewardSet`.
@@ -149,12 +150,14 @@ class FlowGRPO:
         if o.window.size == 0:
             sde, trained, notes = [True] * t, self.trained_steps(t), {}
         else:  # hybrid ODE-SDE sampling: SDE and training only inside the window
-            start = window_start(o.window, t, it, rng)
-            sde = [start <= i < start + o.window.size for i in range(t)]
+            start, stop = window_steps(o.window, t, it, rng)
+            sde = [start <= i < stop for i in range(t)]
             trained, notes = list(sde), {"window_start": start}
         steps = [StepSpec(sde=s, trained=tr) for s, tr in zip(sde, trained)]
         roots, shared = self.group()
-        if shared:  # one root per prompt that branches G ways at the first SDE step
+        if shared and not any(sde):  # an empty window (MixGRPO's last position): one ODE sample, nothing trained
+            roots = 1
+        elif shared:  # one root per prompt that branches G ways at the first SDE step
             first_sde = steps[sde.index(True)]
             first_sde.branch = roots
             if getattr(o, "antithetic", False):  # only the windowed options have it (SuperFlow's do not)

@@ -33,8 +33,6 @@ class OnPolicyDistillation(FlowGRPO):
     @classmethod
     def check(cls, cfg) -> None:
         super().check(cfg)
-        from ..checkpoint import find_checkpoint
-
         if not cfg.algorithm.teacher:
             raise ConfigError("algorithm.teacher: on_policy_distillation needs the teacher's run or checkpoint "
                               "folder; set algorithm.teacher=PATH")
@@ -44,7 +42,12 @@ class OnPolicyDistillation(FlowGRPO):
         if cfg.train.kl_reference != "initial":
             raise ConfigError("train.kl_reference: on_policy_distillation's reference is the teacher; leave "
                               "train.kl_reference=initial")
-        find_checkpoint(cfg.algorithm.teacher)  # a missing or unreadable teacher fails here, before any work
+
+    def check_inputs(self, rewards) -> None:
+        """A missing or damaged teacher fails here, before a model loads."""
+        from ..checkpoint import find_checkpoint
+
+        find_checkpoint(self.opts.teacher)
 
     def attach(self, policy, ctx) -> None:
         """The teacher's weights become the KL reference."""
