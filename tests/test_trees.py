@@ -282,6 +282,16 @@ def test_noise_aware_weights_average_one(tmp_path):
     s_r = torch.where(sig[:9] >= 1, sig[1], sig[:9])
     expect = 0.7 * torch.sqrt(sig[:9] / (1 - s_r)) * torch.sqrt(sig[:9] - sig[1:10])  # sigma_t sqrt(dt), sigma_1 below only
     assert [w[i] for i in range(9)] == pytest.approx((expect / expect.mean()).tolist(), rel=1e-4)
+    trainer.algorithm.opts.loss_weight = "scaled_std"  # the released code's 2.25 sigma_t sqrt(dt)
+    w = trainer.algorithm.loss_weights(tree, tree.trained)
+    assert [w[i] for i in range(9)] == pytest.approx((2.25 * expect).tolist(), rel=1e-4)
+    # SD3's 10-step grid (diffusers: linspace(1, 1/1000, 10) shifted by 3, then 0) at a = 0.7: the scaled weights
+    # of the 9 steps Flow-GRPO trains average 0.999
+    t = torch.linspace(1, 0.001, 10).double()
+    sd3 = torch.cat([3 * t / (1 + 2 * t), torch.zeros(1, dtype=torch.float64)])
+    s_r = torch.where(sd3[:9] >= 1, sd3[1], sd3[:9])
+    std = 0.7 * torch.sqrt(sd3[:9] / (1 - s_r)) * torch.sqrt(sd3[:9] - sd3[1:10])
+    assert float((2.25 * std).mean()) == pytest.approx(0.999, abs=5e-4)
 
 
 def test_multi_granularity_completion(tiny_adapter):
