@@ -628,6 +628,11 @@ def validate(cfg: Config) -> None:
     them run here, at load, before a model is loaded or a file written."""
     from .registry import algorithm_class
 
+    # an algorithm's published advantage settings, where the config leaves those keys out (BranchGRPO's ddof 1,
+    # eps 1e-8); a key the config sets wins
+    for key, value in getattr(algorithm_class(cfg.algorithm.name), "advantage_defaults", {}).items():
+        if key not in cfg.advantage.model_fields_set:
+            setattr(cfg.advantage, key, value)
     if not cfg.rewards:
         raise ConfigError("rewards: list at least one reward, e.g. rewards=[{name: jpeg_compressibility}]")
     if cfg.advantage.combine == "per_reward" and cfg.advantage.zero_variance in ("tracker", "drop_refill"):

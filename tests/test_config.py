@@ -231,3 +231,14 @@ def test_config_explain_prints_type_default_range_and_description(capsys):
     assert capsys.readouterr().out.startswith("algorithm.beta (an option of diffusion_nft)\n  type: float\n  default: 1.0")
     assert main(["config", "explain", "train.kl_bta"]) == 2
     assert capsys.readouterr().err.strip() == "flowrl: error: unknown config key 'train.kl_bta'; did you mean 'train.kl_beta'?"
+
+
+def test_algorithm_advantage_defaults_yield_to_the_config():
+    """BranchGRPO's released ddof 1 and eps 1e-8 replace the package's where the config leaves them out."""
+    from flowrl.config import load_config
+
+    c = load_config(None, ["algorithm.name=branch_grpo", "sampler.num_steps=10"])
+    assert (c.advantage.ddof, c.advantage.eps, c.advantage.zero_std_threshold) == (1, 1e-8, 1e-6)
+    c = load_config(None, ["algorithm.name=branch_grpo", "sampler.num_steps=10", "advantage.ddof=0"])
+    assert (c.advantage.ddof, c.advantage.eps) == (0, 1e-8)
+    assert load_config(None, []).advantage.ddof == 0

@@ -1,7 +1,8 @@
 """BranchGRPO (arXiv 2509.06040): one root per prompt (or ``trees_per_prompt``) that branches K ways at the split
 steps (K ** |B| leaves per tree form the group), every edge trained; leaf rewards are fused up the tree,
 advantages are z-scored per (prompt, depth) over the prompt's trees, and width / depth pruning drop gradient work. ``mix``: ODE outside the split steps and the
-window (BranchGRPO-Mix). Tree maths: flowrl/trees.py."""
+window (BranchGRPO-Mix). Tree maths: flowrl/trees.py. As its released code, the z-scores use the unbiased std
+(``advantage.ddof: 1``) and eps 1e-8 unless a config sets them."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ class BranchGRPOOptions(AlgorithmOptions):
 
 class BranchGRPO(FlowGRPO):
     Options = BranchGRPOOptions
+    advantage_defaults = {"ddof": 1, "eps": 1e-8}  # the released code's torch.std and 1e-8
 
     @classmethod
     def check(cls, cfg) -> None:

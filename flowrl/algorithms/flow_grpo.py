@@ -55,6 +55,8 @@ class FlowGRPO:
     per_edge_rows = True  # loss_rows keeps one row per edge (so train.fused_loss can clip per edge)
     # why GRPO-Guard cannot be used with this algorithm (it normalises PPO's per-edge ratio), or None where it can
     refuses_grpo_guard: str | None = None
+    # advantage settings of the published code that replace the package's where a config leaves them out
+    advantage_defaults: dict = {}
 
     def __init__(self, cfg):
         self.cfg = cfg
