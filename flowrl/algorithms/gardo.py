@@ -9,8 +9,9 @@
    (every further reward of the config; they only gate, they do not enter the advantage); with
    ``u = rank_main - mean(rank_aux)``, the KL to the reference applies only to samples whose u is non-negative and
    above the ``1 - beta_t`` quantile of the non-negative u's, averaged over them. ``beta_t`` starts at
-   ``gate_fraction``, grows x1.1 when the fraction of non-negative u exceeds the largest of the last 20 and shrinks
-   x0.9 when below the smallest, within [``gate_min``, ``gate_max``]. The sign of u is the official code's.
+   ``gate_fraction``; each iteration, before the gate, it grows x1.1 when the mean of the non-negative u's exceeds
+   the largest of the last 20 such means and shrinks x0.9 when below the smallest, within [``gate_min``,
+   ``gate_max``]. The sign of u and the order are the official code's.
 3. **An adaptive reference**: the reference becomes a copy of the current weights every ``reset_every``
    iterations, or as soon as an update's mean KL exceeds ``kl_threshold``.
 
@@ -67,10 +68,16 @@ def descending_ranks(values: torch.Tensor) -> torch.Tensor:
     return ranks
 
 
+def uncertainty(main: torch.Tensor, auxiliaries: list[torch.Tensor]) -> torch.Tensor:
+    """u (N,) = rank by the main reward - mean rank by the auxiliaries (1 = best): positive where the auxiliaries
+    rate the sample higher than the main reward does."""
+    return descending_ranks(main) - torch.stack([descending_ranks(a) for a in auxiliaries]).mean(0)
+
+
 def kl_gate(main: torch.Tensor, auxiliaries: list[torch.Tensor], fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate (N,) bool, u (N,)): ``u = rank_main - mean(rank_aux)`` and the gate on the samples whose u is
-    non-negative and above the (1 - fraction) quantile of the non-negative u's."""
-    u = descending_ranks(main) - torch.stack([descending_ranks(a) for a in auxiliaries]).mean(0)
+    """(gate (N,) bool, u (N,)): the gate on the samples whose u (:func:`uncertainty`) is non-negative and above
+    the (1 - fraction) quantile of the non-negative u's."""
+    u = uncertainty(main, auxiliaries)
     nonneg = u[u >= 0]
     if not len(nonneg):
         return torch.zeros(len(u), dtype=torch.bool), u
@@ -111,22 +118,28 @@ class GARDO(FlowGRPO):
         adv, dist = diversity_advantages(main, tree.leaves.cpu(), tree.leaf_group, self.opts.diversity)
         adv = adv.clamp(-self.cfg.advantage.clip, self.cfg.advantage.clip)
         fill = torch.nan_to_num(main, nan=float("-inf"))
-        gate, u = kl_gate(fill, [torch.nan_to_num(scores.components[n], nan=float("-inf")) for n in names[1:]],
-                          self.beta_t)
+        aux = [torch.nan_to_num(scores.components[n], nan=float("-inf")) for n in names[1:]]
+        self.update_gate_fraction(uncertainty(fill, aux))  # beta_t first, then the gate with it (the code's order)
+        gate, u = kl_gate(fill, aux, self.beta_t)
         self.gate_nodes = tree.node_values_from_leaves(gate.float())
         self.gate_share = float(gate.float().mean())
-        share = float((u >= 0).double().mean())
-        recent = self.history[-20:]
-        if recent and share > max(recent):
-            self.beta_t *= 1.1
-        elif recent and share < min(recent):
-            self.beta_t *= 0.9
-        self.beta_t = min(max(self.beta_t, self.opts.gate_min), self.opts.gate_max)
-        self.history = (self.history + [share])[-20:]
         keep = [torch.ones(x.shape[0], dtype=torch.bool) for x in tree.latents]
         stats = {"gardo_gated": float(gate.float().mean()), "gardo_beta_t": self.beta_t,
                  "gardo_nearest_distance": float(dist.mean())}
         return tree.node_values_from_leaves(adv), keep, stats
+
+    def update_gate_fraction(self, u: torch.Tensor) -> None:
+        """beta_t from the mean of the non-negative u's: x1.1 above the largest of the last 20, x0.9 below the
+        smallest, ``gate_fraction`` on the first iteration; within [gate_min, gate_max]."""
+        level = float(u[u >= 0].double().mean())
+        if not self.history:
+            self.beta_t = self.opts.gate_fraction
+        elif level > max(self.history):
+            self.beta_t *= 1.1
+        elif level < min(self.history):
+            self.beta_t *= 0.9
+        self.beta_t = min(max(self.beta_t, self.opts.gate_min), self.opts.gate_max)
+        self.history = (self.history + [level])[-20:]
 
     def loss_rows(self, items, log_prob, old_log_prob, adv, kl, step):
         """The KL of the gated samples only, averaged over them (the rows' mean is over every edge)."""
