@@ -402,6 +402,11 @@ class DelightGatedObjective(TransitionObjective):
         return stats
 
 
+def gathered(procs, *rows: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Each list of per-micro-batch rows, gathered over the processes and concatenated (empty lists allowed)."""
+    return tuple(torch.cat(x) for x in procs.gather_rows(*(r or [torch.zeros(0)] for r in rows)))
+
+
 def untrained_states(tree) -> tuple[torch.Tensor, torch.Tensor]:
     """(round, position) of every child node whose edge the plan leaves untrained (an ODE step of the rollout):
     its parent is the state, the child's grid index the step's end. (K,), (K,)."""
@@ -640,9 +645,7 @@ class GroupPreferenceObjective(ForwardProcessObjective):
 
     def statistics(self) -> dict:
         procs = self.parts.procs
-        empty = [torch.zeros(0)]
-        losses_, kls, ratios, clipped = (torch.cat(x) for x in procs.gather_rows(
-            self.losses or empty, self.kls or empty, self.ratios or empty, self.clipped or empty))
+        losses_, kls, ratios, clipped = gathered(procs, self.losses, self.kls, self.ratios, self.clipped)
         return {"trained_edges": 0, "work_items": self.t.numel(), "nfe_train": procs.sum(self.nfe),
                 "clipfrac": float(clipped.mean()) if len(clipped) else 0.0, "approx_kl": 0.0,
                 "ratio_mean": float(ratios.mean()) if len(ratios) else 1.0,
@@ -743,9 +746,7 @@ class RewardBackpropObjective:
 
     def statistics(self) -> dict:
         procs = self.parts.procs
-        empty = [torch.zeros(0)]
-        rewards, gaps, kls = (torch.cat(x) for x in procs.gather_rows(self.rewards_seen or empty, self.gaps or empty,
-                                                                     self.kls or empty))
+        rewards, gaps, kls = gathered(procs, self.rewards_seen, self.gaps, self.kls)
         return {"trained_edges": 0, "work_items": len(self.start), "nfe_train": procs.sum(self.nfe), "clipfrac": 0.0,
                 "approx_kl": 0.0, "ratio_mean": 1.0, "ratio_std": 0.0, "ratio_max_abs_dev_first_update": 0.0,
                 "mean_abs_log_ratio": 0.0, "policy_loss": -float(rewards.mean()) if len(rewards) else 0.0,
