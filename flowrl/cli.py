@@ -203,7 +203,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_rank(args) -> int:
-    from .report import atomic_write_bytes, compare_runs, format_rank_table, rank_runs, write_csv
+    from .report import atomic_write_bytes, compare_runs, format_rank_table, plot_rank, rank_runs, write_csv
 
     if bool(args.runs) == bool(args.plan):
         raise FlowRLError("flowrl rank: give run directories, or --plan FILE (not both)")
@@ -226,8 +226,9 @@ def cmd_rank(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out / "rank.md", (text + "\n").encode())
     write_csv(out / "rank.csv", [{**r, "seeds": " ".join(map(str, r["seeds"]))} for r in table], list(table[0]))
-    if args.plan:  # the held-out curves with their standard-error bands, against training time
-        compare_runs(runs, out, "time", "heldout/all", band="se")
+    plot_rank(table, baseline, out / "rank.png")
+    if args.plan:  # the training reward against time, mean +- SE over seeds
+        compare_runs(runs, out, "time", "reward_mean/total", band="se")
     print(text)
     return 0
 
@@ -554,10 +555,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed band: min-max, or +-1 standard error of the mean")
     c.set_defaults(func=cmd_compare)
     rk = sub.add_parser("rank", help="ranked preset table from finished runs: held-out gain mean +- standard error "
-                        "over seeds, reward, cleanliness, time, images; differences from a baseline beyond 2 SE")
+                        "over seeds, reward, cleanliness, time, images; differences from a baseline beyond 2 SE; "
+                        "rank.md, rank.csv and the figure rank.png")
     rk.add_argument("runs", nargs="*", help="run directories (runs differing only in train.seed form one preset)")
     rk.add_argument("--plan", help="a plan file (configs/benchmarks/ranked.yaml): train its missing runs into --out "
-                    "first, then rank them and draw their held-out curves (compare.png)")
+                    "first, then rank them; also draws their reward curves against time (compare.png)")
     rk.add_argument("--jobs", type=positive_int, default=None, help="with --plan: runs at a time (default: the plan's)")
     rk.add_argument("--labels", nargs="+", help="with --plan: only these labels")
     rk.add_argument("--baseline", help="the preset label compared against (default: the first run's)")

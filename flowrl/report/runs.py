@@ -206,3 +206,34 @@ def format_rank_table(table: list[dict], baseline: str) -> str:
                      f"{r['watch_change']:+.1f} | "
                      f"{r['seconds']:.0f} | {r['rollouts']:.0f} | {sig} |")
     return "\n".join(lines)
+
+
+def plot_rank(table: list[dict], baseline: str, path: Path) -> Path:
+    """The ranked table as a figure: each label's mean held-out gain (points) with +-1 and +-2 standard-error bars,
+    the baseline's mean as a line and its +-2 SE as a band; labels whose difference from the baseline exceeds two
+    standard errors of the difference in a stronger colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(reversed(table))  # best at the top
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.4))
+    base = next(r for r in table if r["label"] == baseline)
+    b_mean, b_se = 100 * base["gain_mean"], 100 * (base["gain_se"] or 0.0)
+    ax.axvspan(b_mean - 2 * b_se, b_mean + 2 * b_se, color="0.9", zorder=0, label=f"{baseline} +- 2 SE")
+    ax.axvline(b_mean, color="0.5", lw=1, zorder=1)
+    ax.axvline(0, color="k", lw=0.6, zorder=1)
+    for y, r in enumerate(rows):
+        m, se = 100 * r["gain_mean"], 100 * (r["gain_se"] or 0.0)
+        colour = "tab:blue" if r["significant"] else "tab:gray" if r["label"] != baseline else "k"
+        ax.errorbar(m, y, xerr=2 * se, fmt="none", ecolor=colour, alpha=0.35, lw=4, zorder=2)
+        ax.errorbar(m, y, xerr=se, fmt="o", color=colour, ecolor=colour, capsize=3, zorder=3)
+    ax.set_yticks(range(len(rows)), [f"{r['label']} ({len(r['seeds'])})" for r in rows])
+    metric = table[0]["metric"] if table else "held-out"
+    ax.set_xlabel(f"held-out {metric} gain, points (dot +- 1 SE, bar +- 2 SE; seeds in brackets)")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    path = Path(path)
+    save_figure(fig, path)
+    return path
