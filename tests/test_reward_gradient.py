@@ -121,3 +121,20 @@ def test_euphonium_iteration_adds_process_advantages(tmp_path):
     assert row["ratio_max_abs_dev_first_update"] < 1e-5  # the stored log-prob is the unguided transition's
     assert row["guided_edges"] == 3 * 8  # steps 3, 4, 5 x eight samples
     assert 0 < row["process_reward/step3"] < 1
+
+
+def test_euphonium_latent_process_reward_by_hand():
+    """A latent reward model is differentiated at the noisy state itself: r = -mean(x^2) gives g = -2 x / n."""
+    from flowrl.algorithms.euphonium import Euphonium
+    from flowrl.config import load_config
+
+    cfg = load_config(None, ["algorithm.name=euphonium", "sampler.kernel=dance", "algorithm.guidance_scale=1.0",
+                             "algorithm.process_reward=tests.helpers:latent_energy",
+                             "algorithm.process_reward_space=latent"])
+    algo = Euphonium(cfg)
+    algo.check_inputs(None)
+    algo.prompts, algo.metadata = ["a cat", "a dog"], None
+    x = torch.randn(2, 4, 2, 2)
+    shift, process = algo.guide(x, torch.zeros_like(x), 0.5, 0.25, torch.tensor([0, 1]))
+    assert torch.allclose(shift, 0.25 * (-2 * x / 16), atol=1e-7)
+    assert torch.allclose(process, -(x ** 2).flatten(1).mean(1))

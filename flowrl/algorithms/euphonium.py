@@ -18,7 +18,9 @@ advantage ``PRA_t`` is the group z-score (torch std + 1e-8) of r_p at that step'
 ``process_weight`` to the edge's advantage (the code sums two PPO terms, which is the same update while neither
 is clipped). The process reward is ``process_reward`` (with ``process_reward_args``) and must pass a gradient to
 the images (the ``clip`` reward, or a function marked ``differentiable = True``); any other is refused before a
-model loads. Defaults from the official HunyuanVideo script: 16 steps, guidance on the last 4, eta 0.25,
+model loads. With ``process_reward_space: latent`` it is instead a latent reward model of your own,
+``fn(latents, sigma, prompts) -> (N,)``, whose gradient is taken at the noisy state directly (the official code's
+latent PRM). Defaults from the official HunyuanVideo script: 16 steps, guidance on the last 4, eta 0.25,
 lambda 0.01, 60% of the steps trained, group 8."""
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class EuphoniumOptions(DanceGRPOOptions):
     process_reward: str = opt("clip", "the differentiable process reward r_p (a registered reward or "
                               "module:function)")
     process_reward_args: dict = opt({}, "the process reward's constructor arguments")
+    process_reward_space: str = opt("image", "image: the process reward scores the decoded one-step prediction; "
+                                    "latent: process_reward is a module:function scoring the noisy latent itself, "
+                                    "fn(latents (N, *latent), sigma (N,), prompts) -> (N,) with its graph (a latent "
+                                    "reward model)", choices=["image", "latent"])
     guidance_start: int = opt(-1, "first guided step (-1 = the last quarter of the steps; the code: 12 of 16)")
     guidance_scale: float = opt(0.01, "lambda; negative: eta^2 / (2 kl_beta_guidance)")
     kl_beta_guidance: float = opt(3.125, "beta_KL of lambda = eta^2 / (2 beta_KL) (used when guidance_scale < 0)",
@@ -76,6 +82,15 @@ class Euphonium(DanceGRPO):
         from ..config import RewardSpec
         from ..rewards import build_reward_set
 
+        if self.opts.process_reward_space == "latent":
+            from ..rewards.registry import build_reward
+
+            if ":" not in self.opts.process_reward:
+                raise ConfigError(f"algorithm.process_reward={self.opts.process_reward}: a latent process reward is "
+                                  f"a module:function of (latents, sigma, prompts); name one")
+            self.latent_reward = build_reward(self.opts.process_reward, **dict(self.opts.process_reward_args))
+            return
+
         self.process = build_reward_set([RewardSpec(name=self.opts.process_reward,
                                                     args=dict(self.opts.process_reward_args))])
         if self.process.not_differentiable():
@@ -113,8 +128,14 @@ class Euphonium(DanceGRPO):
         metadata = [self.metadata[int(r)] for r in rows] if self.metadata else None
         with torch.enable_grad():
             xg = x.detach().float().requires_grad_(True)
-            images = decode_with_grad(self.adapter, xg - sigma * v.detach().float())  # the one-step x0 prediction
-            reward = self.process.differentiable_total(images, prompts, metadata)
+            if self.opts.process_reward_space == "latent":  # a latent reward model scores the noisy state itself
+                reward = self.latent_reward(xg, torch.full((len(xg),), sigma, device=xg.device), prompts)
+                if not torch.is_tensor(reward) or not reward.requires_grad:
+                    raise RewardError(f"algorithm.process_reward={self.opts.process_reward}: it returned no graph "
+                                      f"back to the latents; return a tensor computed from them")
+            else:
+                images = decode_with_grad(self.adapter, xg - sigma * v.detach().float())  # the one-step x0 prediction
+                reward = self.process.differentiable_total(images, prompts, metadata)
             (g,) = torch.autograd.grad(reward.sum(), xg)
         if self.opts.normalize_gradient:
             g = g / g.flatten(1).norm(dim=1).clamp_min(1e-12).view(-1, *([1] * (g.ndim - 1)))
