@@ -220,7 +220,8 @@ class Policy:
     @torch.no_grad()
     def load_anchor(self, ckpt_dir, cfg) -> None:
         """The KL reference becomes a checkpoint's weights (on-policy distillation's teacher): a flowrl checkpoint
-        of the same model and LoRA layout, read into the transformer, copied, and the trained weights put back."""
+        folder (:func:`flowrl.checkpoint.find_checkpoint`'s answer) of the same model and LoRA layout, read into the
+        transformer, copied, and the trained weights put back."""
         from .checkpoint import checkpoint_is_lora, load_full_into, load_lora_into
 
         kept = [p.detach().clone() for p in self.params]

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from . import report
 from .algorithms import AlgorithmContext, make_algorithm
 from .callbacks import HeldOutMonitor, MetricsWriter, RewardCurvePlot, TrackerLog
-from .checkpoint import find_resume_checkpoint, load_run_state, save_checkpoint
+from .checkpoint import find_checkpoint, find_resume_checkpoint, load_run_state, save_checkpoint
 from .config import Config
 from .distributed import Processes
 from .errors import ConfigError, FlowRLError, Stopped
@@ -78,6 +78,8 @@ class Trainer:
         evaluator = resolve(EVALUATORS, cfg.log.eval, "log.eval")() if cfg.log.eval != "none" else None
         self.algorithm = make_algorithm(cfg)
         self.algorithm.check_inputs(self.rewards)
+        reference = self.algorithm.reference_checkpoint()
+        reference = find_checkpoint(reference) if reference else None  # a missing teacher fails before any work
         if cfg.train.fsdp.enabled:  # the mesh must fit the launch, the options the device
             from .sharding import check_options
 
@@ -121,6 +123,8 @@ class Trainer:
             self.eval_sampler = ShardedSampler(self.eval_sampler, self.procs, equal_shares=cfg.train.fsdp.enabled)
         self.sigmas, self.negative = self.rollout_sampler.sigmas, self.rollout_sampler.negative
         self.context = AlgorithmContext(self.prompts, self.rewards, self.rollout_sampler)
+        if reference is not None:
+            self.policy.load_anchor(reference, cfg)
         self.algorithm.attach(self.policy, self.context)
         options = kernel_options(cfg)
         self.objective = self.algorithm.make_objective(TrainingParts(

@@ -102,6 +102,12 @@ class FlowGRPO:
             rewards: the :class:`~rewards.registry.RewardSet`.
         """
 
+    def reference_checkpoint(self) -> str | None:
+        """A run or checkpoint folder whose weights take the KL reference's place (on-policy distillation's
+        teacher), or None for the starting weights. The trainer checks it before a model loads and reads it once the
+        policy exists."""
+        return None
+
     def attach(self, policy, ctx: AlgorithmContext) -> None:
         """Called once the policy exists, before the first iteration: an algorithm that sets the KL reference
         (a teacher, a moving anchor), follows a reward's gradient or samples on its own keeps what it needs here.

@@ -46,17 +46,9 @@ class OnPolicyDistillation(FlowGRPO):
             raise ConfigError("train.kl_reference: on_policy_distillation's reference is the teacher; leave "
                               "train.kl_reference=initial")
 
-    def check_inputs(self, rewards) -> None:
-        """A missing or damaged teacher fails here, before a model loads."""
-        from ..checkpoint import find_checkpoint
-
-        find_checkpoint(self.opts.teacher)
-
-    def attach(self, policy, ctx) -> None:
-        """The teacher's weights become the KL reference."""
-        from ..checkpoint import find_checkpoint
-
-        policy.load_anchor(find_checkpoint(self.opts.teacher), self.cfg)
+    def reference_checkpoint(self) -> str | None:
+        """The teacher: the trainer reads it into the KL reference's place."""
+        return self.opts.teacher
 
     def make_objective(self, parts):
         """The transitions' objective with the policy term scaled by ``reward_weight``."""
