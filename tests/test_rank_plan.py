@@ -38,7 +38,8 @@ def test_plan_trains_ranks_and_keeps_finished_runs(tmp_path, monkeypatch, capsys
     shutil.copytree(root / "configs", tmp_path / "configs", dirs_exist_ok=True)
     (tmp_path / "plan.yaml").write_text(PLAN)
     _, runs = read_plan(tmp_path / "plan.yaml")
-    assert [r.name for r in runs][:2] == ["grpo-s0", "grpo-s1"]  # the teacher's label first
+    # the plan's order, each run after the run it names
+    assert [r.name for r in runs] == ["grpo-s0", "student-s0", "student-s1", "grpo-s1"]
     assert main(["rank", "--plan", "plan.yaml", "--out", "ranked"]) == 0
     out = capsys.readouterr().out
     assert "| grpo |" in out and "| student |" in out and "baseline" in out

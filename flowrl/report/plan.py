@@ -71,7 +71,12 @@ def read_plan(path: Path) -> tuple[dict, list[PlannedRun]]:
         missing = r.needs() - names
         if missing:
             raise ConfigError(f"{path}: {r.name} names {sorted(missing)[0]}, which the plan does not run")
-    runs.sort(key=lambda r: bool(r.needs()))  # runs others wait for never wait themselves
+    ordered: list[PlannedRun] = []  # the plan's order, each run after the runs it names
+    while runs:
+        ready = next(r for r in runs if r.needs() <= {o.name for o in ordered})
+        ordered.append(ready)
+        runs.remove(ready)
+    runs = ordered
     if plan.get("baseline") and plan["baseline"] not in plan["labels"]:
         raise ConfigError(f"{path}: baseline {plan['baseline']!r} is none of the labels")
     return plan, runs
