@@ -223,6 +223,7 @@ class Trainer:
         t0 = time.perf_counter()
         self.adapter.transformer.eval()
         prompts, metadata, roots = algo.choose_prompts(self.context, it, gen, row)
+        algo.remember_prompts(prompts, metadata)
         cond = self.adapter.encode_prompts(prompts)
         with self.policy.old_weights(), self.meter.phase("rollout"):  # the old policy samples, where one is kept
             tree, scores, timing = self.runner(cond, plan, gen, prompts, metadata, roots)

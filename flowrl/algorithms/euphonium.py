@@ -100,10 +100,6 @@ class Euphonium(DanceGRPO):
     def attach(self, policy, ctx) -> None:
         self.adapter = ctx.sample.adapter
 
-    def choose_prompts(self, ctx, it, gen, row):
-        self.prompts, self.metadata, groups = super().choose_prompts(ctx, it, gen, row)
-        return self.prompts, self.metadata, groups
-
     @property
     def first_guided(self) -> int:
         t = self.cfg.sampler.num_steps

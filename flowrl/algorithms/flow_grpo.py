@@ -136,6 +136,12 @@ class FlowGRPO:
         prompts, metadata = ctx.prompts.batch(it, self.cfg.train.prompts_per_iter + extra)
         return prompts, metadata, None
 
+    def remember_prompts(self, prompts: list[str], metadata: list[dict] | None) -> None:
+        """The trainer hands over the iteration's prompts once chosen (whichever module chose them): methods that
+        score images themselves during rollout or update (guidance, reward backpropagation) read
+        ``self.prompts`` / ``self.metadata``."""
+        self.prompts, self.metadata = prompts, metadata
+
     # ------------------------------------------------------------------------------------------ plan
     def trained_steps(self, t: int) -> list[bool]:
         """Training candidates without a window: Flow-GRPO's first int(T * f) steps."""

@@ -48,10 +48,6 @@ class ReFL(FlowGRPO):
     def attach(self, policy, ctx) -> None:
         self.rewards = ctx.rewards
 
-    def choose_prompts(self, ctx, it, gen, row):
-        self.prompts, self.metadata, groups = super().choose_prompts(ctx, it, gen, row)
-        return self.prompts, self.metadata, groups
-
     def plan(self, it: int, rng: random.Random | None = None, sigmas: torch.Tensor | None = None) -> RolloutPlan:
         """Every step ODE, none a trained transition (the update re-runs the last K itself)."""
         return RolloutPlan([StepSpec(sde=False) for _ in range(self.cfg.sampler.num_steps)],
