@@ -70,3 +70,22 @@ def test_compare_band_se(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 0
     assert out["summary"][0]["final_mean"] == pytest.approx(0.66)
+
+
+def test_compare_many_labels_draws_one_panel_each_with_the_first_behind(tmp_path, monkeypatch):
+    """Beyond ten labels the colour cycle repeats, so each label gets its own panel, the first label in grey."""
+    import flowrl.report.runs as report_runs
+
+    figures = []
+    monkeypatch.setattr(report_runs, "save_figure", lambda fig, path: (figures.append(fig), path.write_bytes(b"")))
+    runs = [_run(tmp_path, f"m{i:02d}", s, 0.6, 0.7) for i in range(12) for s in range(2)]
+    report_runs.compare_runs(runs, tmp_path / "cmp", band="se")
+    axes = [ax for ax in figures[0].axes if ax.get_visible()]
+    assert [ax.get_title() for ax in axes] == [f"m{i:02d} (2)" for i in range(12)]  # 12 panels of a 3 x 5 grid
+    assert len(figures[0].axes) == 15
+    assert [len(ax.lines) for ax in axes] == [1] + [2] * 11  # each label's mean, and the first label's behind it
+    assert axes[3].lines[0].get_color() == "0.6"
+
+    figures.clear()
+    report_runs.compare_runs(runs[:20], tmp_path / "cmp10", band="se")  # ten labels: one axes, ten colours
+    assert len(figures[0].axes) == 1 and len(figures[0].axes[0].lines) == 10

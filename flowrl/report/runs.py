@@ -56,11 +56,15 @@ def _first_reach(xs: list[float], ys: list[float], target: float) -> float | Non
     return next((x for x, y in zip(xs, ys) if y >= target), None)
 
 
+MAX_LINES = 10  # matplotlib's default cycle has ten colours; beyond them labels get panels
+
+
 def compare_runs(run_dirs: list[Path], out_dir: Path, x_axis: str = "iteration", metric: str = "reward_mean/total",
                  smoothing: int = 1, band: str = "minmax") -> tuple[Path, Path, list[dict]]:
     """Plot ``metric`` of several runs against iteration / rollout NFE / images / training time; runs that differ
     only in seed are drawn as one mean line with a band: min-max over seeds, or (``band="se"``) mean +- the
-    standard error of the mean. ``heldout/<key>`` reads the held-out curve's number ``<key>``
+    standard error of the mean. Up to ten labels share one axes; more get one panel each, with the first label
+    drawn in grey behind every panel. ``heldout/<key>`` reads the held-out curve's number ``<key>``
     (eval_curve.jsonl; fractions in [0, 1] are drawn in %). Writes compare.png and compare.csv and returns a summary per label: start
     and final values (mean, min, max over seeds), the x spent, and the x each seed needed to first reach the
     first label's mean final value (``reach_*``; the first label is the reference)."""
@@ -78,29 +82,53 @@ def compare_runs(run_dirs: list[Path], out_dir: Path, x_axis: str = "iteration",
         label, seed = _run_label(Path(rd))
         groups.setdefault(label, []).append((seed, xs, ys))
         csv_rows += [{"run": str(rd), "label": label, "seed": seed, x_axis: x, metric: y} for x, y in zip(xs, ys)]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
     fractions = metric.startswith(HELDOUT) and all(0 <= y <= 1 for runs in groups.values() for r in runs for y in r[2])
     scale = 100.0 if fractions else 1.0  # accuracies drawn in %
-    for i, (label, runs) in enumerate(groups.items()):
-        color = f"C{i % 10}"
+    y_name = (metric + " (%)" if scale != 1 else metric) + (f" (smoothed {smoothing})" if smoothing > 1 else "")
+    marker = "." if metric.startswith(HELDOUT) else None
+
+    def draw(ax, runs, color, label):  # one label: the mean over seeds and its band
         n = min(len(r[1]) for r in runs)
         xs = [sum(r[1][j] for r in runs) / len(runs) for j in range(n)]
         ys = [[scale * r[2][j] for r in runs] for j in range(n)]
         mean = [sum(v) / len(v) for v in ys]
-        ax.plot(xs, mean, color=color, marker="." if metric.startswith(HELDOUT) else None,
-                label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        ax.plot(xs, mean, color=color, marker=marker, label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
         if len(runs) > 1 and band == "se":
             se = [_stderr(v) for v in ys]
-            ax.fill_between(xs, [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)], color=color,
-                            alpha=0.2)
+            lo, hi = [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)]
         elif len(runs) > 1:
-            ax.fill_between(xs, [min(v) for v in ys], [max(v) for v in ys], color=color, alpha=0.2)
-    if band == "se":
-        ax.set_title("bands: +-1 standard error of the mean over seeds", fontsize=8)
-    ax.set_xlabel(X_NAMES[x_axis])
-    ax.set_ylabel((metric + " (%)" if scale != 1 else metric) + (f" (smoothed {smoothing})" if smoothing > 1 else ""))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+            lo, hi = [min(v) for v in ys], [max(v) for v in ys]
+        else:
+            return
+        ax.fill_between(xs, lo, hi, color=color, alpha=0.2)
+
+    band_name = "+-1 standard error of the mean over seeds" if band == "se" else "min-max over seeds"
+    if len(groups) <= MAX_LINES:  # one axes: every label in its own colour
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for i, (label, runs) in enumerate(groups.items()):
+            draw(ax, runs, f"C{i}", label)
+        ax.set_title(f"bands: {band_name}", fontsize=8)
+        ax.set_xlabel(X_NAMES[x_axis])
+        ax.set_ylabel(y_name)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    else:  # more labels than distinguishable colours: one small panel per label, the first label in grey behind
+        cols = 5
+        rows = -(-len(groups) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols, 2.0 * rows + 0.6), sharex=True, squeeze=False)
+        (ref_label, ref_runs), *_ = groups.items()
+        for ax, (label, runs) in zip(axes.flat, groups.items()):
+            if label != ref_label:
+                draw(ax, ref_runs, "0.6", ref_label)
+            draw(ax, runs, "C0", label)
+            ax.set_title(f"{label} ({len(runs)})", fontsize=8)
+            ax.tick_params(labelsize=6)
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(groups):]:
+            ax.set_visible(False)
+        fig.suptitle(f"{y_name} against {X_NAMES[x_axis]}; grey: {ref_label}; bands: {band_name}; "
+                     "seeds in brackets; each panel has its own y scale", fontsize=9)
+        fig.tight_layout()
     # summary: the reference is the first label given
     reference = None
     summary = []
