@@ -75,14 +75,16 @@ class RewardScores:
     total: torch.Tensor  # (N,) weighted sum, NaN where any component was not finite
     components: dict[str, torch.Tensor]  # name -> (N,) raw scores
     invalid: torch.Tensor  # (N,) bool: a component returned NaN/inf
+    features: torch.Tensor | None = None  # (N, D) image embeddings, where the reward set embeds its images
 
     @classmethod
     def concat(cls, parts: list[RewardScores]) -> RewardScores:
         if len(parts) == 1:
             return parts[0]
+        features = torch.cat([p.features for p in parts]) if parts[0].features is not None else None
         return cls(torch.cat([p.total for p in parts]),
                    {k: torch.cat([p.components[k] for p in parts]) for k in parts[0].components},
-                   torch.cat([p.invalid for p in parts]))
+                   torch.cat([p.invalid for p in parts]), features)
 
     def summary(self) -> dict[str, float]:
         """reward_mean/<name> and reward_std/<name> over the finite scores, for the total and every component."""
@@ -101,6 +103,12 @@ class RewardSet:
         if not items:
             raise RewardError("no rewards configured")
         self.items = items
+        self.embedder: Callable | None = None  # images -> (N, D) features, returned with the scores when set
+
+    def embed_images_with(self, embedder: Callable) -> None:
+        """Also return each image's feature vector (``RewardScores.features``), computed where the images are
+        scored (an :class:`~rewards.embedding.ImageEmbedder`, or any images -> (N, D) callable)."""
+        self.embedder = embedder
 
     @property
     def names(self) -> list[str]:
@@ -141,7 +149,13 @@ class RewardSet:
             components[name] = scores
             total += weight * torch.where(bad, torch.zeros_like(scores), scores)
         total[invalid] = math.nan
-        return RewardScores(total.float(), {k: v.float() for k, v in components.items()}, invalid)
+        features = None
+        if self.embedder is not None:
+            features = torch.as_tensor(self.embedder(images)).detach().float().cpu()
+            if features.ndim != 2 or features.shape[0] != n:
+                raise RewardError(f"the image embedder returned shape {tuple(features.shape)}; it must return one "
+                                  f"vector per image, shape ({n}, D)")
+        return RewardScores(total.float(), {k: v.float() for k, v in components.items()}, invalid, features)
 
     def not_differentiable(self) -> list[str]:
         """The names of the rewards that cannot pass a gradient back to the images (empty: all can)."""

@@ -65,3 +65,88 @@ def test_reference_resets(tmp_path):
     assert moved > 0  # the reference is now the weights after iteration 1, not the starting ones
     now = max(float((a - p).abs().max()) for a, p in zip(trainer.policy.anchor, (p.detach() for p in trainer.policy.params)))
     assert now > 0  # iteration 2's update moved the weights past the reset copy
+
+
+@pytest.fixture(scope="module")
+def tiny_dinov2(tmp_path_factory):
+    """A DINOv2-architecture backbone with random weights and its image processor, saved as a local folder."""
+    from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny_dinov2")
+    Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                             image_size=32, patch_size=8)).save_pretrained(folder)
+    BitImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, do_convert_rgb=True,
+                      image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]).save_pretrained(folder)
+    return folder
+
+
+def test_image_embedder_is_the_backbones_pooled_output(tiny_dinov2):
+    from transformers import AutoImageProcessor, AutoModel
+
+    from flowrl.rewards.embedding import ImageEmbedder
+    from flowrl.rewards.loading import to_pil
+
+    images = torch.rand(3, 3, 40, 48, generator=torch.Generator().manual_seed(1))
+    model, processor = AutoModel.from_pretrained(tiny_dinov2), AutoImageProcessor.from_pretrained(tiny_dinov2)
+    with torch.no_grad():
+        expected = model(pixel_values=processor(images=to_pil(images), return_tensors="pt")["pixel_values"]).pooler_output
+    embed = ImageEmbedder(str(tiny_dinov2), device="cpu")
+    got = embed(images)
+    assert got.shape == (3, 32)
+    assert torch.allclose(got, expected, atol=1e-6)
+    videos = images.view(1, 3, 3, 40, 48)  # one video of three frames: the frames' vectors averaged
+    assert torch.allclose(embed(videos), expected.mean(0, keepdim=True), atol=1e-6)
+
+
+def test_reward_set_returns_the_embeddings_with_the_scores(tiny_dinov2):
+    from flowrl.errors import RewardError
+    from flowrl.rewards.embedding import ImageEmbedder
+    from flowrl.rewards.registry import RewardScores, RewardSet
+
+    images = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    rewards = RewardSet([("mean", 1.0, lambda im, p, m: im.mean((1, 2, 3)))])
+    assert rewards(images, ["a"] * 4).features is None
+    embed = ImageEmbedder(str(tiny_dinov2), device="cpu")
+    rewards.embed_images_with(embed)
+    parts = [rewards(images[:2], ["a"] * 2), rewards(images[2:], ["a"] * 2)]
+    joined = RewardScores.concat(parts)
+    assert torch.allclose(joined.features, embed(images), atol=1e-6)  # batches concatenate in order
+    assert torch.allclose(joined.total, images.mean((1, 2, 3)))
+    rewards.embed_images_with(lambda im: torch.zeros(len(im)))
+    with pytest.raises(RewardError, match=r"returned shape \(4,\); it must return one vector per image, shape \(4, D\)"):
+        rewards(images, ["a"] * 4)
+
+
+def test_gardo_measures_diversity_on_the_backbones_embeddings(tmp_path, tiny_dinov2, monkeypatch):
+    """algorithm.diversity_model: every rollout image is embedded beside its scores, and the diversity-scaled
+    advantages use those vectors (not the latents)."""
+    import flowrl.algorithms.gardo as gardo
+    from flowrl.rewards.embedding import ImageEmbedder
+    from flowrl.trainer import Trainer
+
+    embedded, used = [], []
+    call = ImageEmbedder.__call__
+    monkeypatch.setattr(ImageEmbedder, "__call__", lambda self, images: embedded.append(call(self, images)) or
+                        embedded[-1])
+    advantages = gardo.diversity_advantages
+    monkeypatch.setattr(gardo, "diversity_advantages", lambda r, f, g, d=True: used.append(f) or advantages(r, f, g, d))
+    cfg = make_cfg(tmp_path, "algorithm.name=gardo", "algorithm.group_size=4", "sampler.num_steps=4",
+                   "train.prompts_per_iter=2", "train.kl_beta=0.04", "sampler.rollout_batches=2",
+                   f"algorithm.diversity_model={tiny_dinov2}",
+                   "rewards=[{name: jpeg_incompressibility}, {name: 'tests.helpers:brightness'}]")
+    row = Trainer(cfg).iteration(0)
+    assert len(embedded) == 2 and used[0].shape == (8, 32)  # two rollout batches of 4 images, DINOv2 width 32
+    assert torch.equal(used[0], torch.cat(embedded))
+    assert row["ratio_max_abs_dev_first_update"] < 1e-5 and row["gardo_nearest_distance"] > 0
+
+
+def test_gardo_refuses_a_missing_diversity_model_before_any_work(tmp_path):
+    from flowrl.errors import RewardError
+    from flowrl.trainer import Trainer
+
+    cfg = make_cfg(tmp_path, "algorithm.name=gardo", "train.kl_beta=0.04", "algorithm.diversity_model=./no/such/dino",
+                   "rewards=[{name: jpeg_incompressibility}, {name: 'tests.helpers:brightness'}]")
+    with pytest.raises(RewardError, match="no/such/dino is neither a local folder nor a Hugging Face repository id"):
+        Trainer(cfg)
+    assert not any(tmp_path.rglob("config.yaml"))  # no run folder

@@ -3,8 +3,9 @@
 1. **Diversity-aware advantages** on the main (first) reward alone: within a prompt's group, ``d_i`` is the
    sample's cosine distance to its nearest other sample, and ``A_i = (r_i - mean r) d_i / mean d`` for samples at or
    above the group mean, ``r_i - mean r`` below it; no division by the std; clipped at ``advantage.clip``.
-   The features are the clean latents (the official code embeds the decoded images with DINOv3, a model this
-   package does not ship; the latents keep the method self-contained and cost nothing).
+   The features are the decoded images' embeddings by ``diversity_model`` (a transformers vision backbone; the
+   official code uses DINOv3 ViT-L/16), computed beside the rewards; without one, the clean latents (self-contained,
+   no extra model, and what the tiny presets use).
 2. **A gated KL.** Over the batch, each sample is ranked (1 = best) by the main reward and by the auxiliary rewards
    (every further reward of the config; they only gate, they do not enter the advantage); with
    ``u = rank_main - mean(rank_aux)``, the KL to the reference applies only to samples whose u is non-negative and
@@ -30,6 +31,9 @@ from .flow_grpo import FlowGRPO, FlowGRPOOptions
 class GARDOOptions(FlowGRPOOptions):
     diversity: bool = opt(True, "scale the above-mean advantages by the sample's distance to its nearest group "
                           "member (relative to the group's mean distance)")
+    diversity_model: str = opt("", "a transformers vision backbone (hub id or local folder, e.g. "
+                               "facebook/dinov3-vitl16-pretrain-lvd1689m) whose pooled image embeddings measure the "
+                               "distances; empty: the clean latents")
     gate_fraction: float = opt(0.1, "beta_t at the start: the fraction of samples (of those the auxiliaries rate "
                                "at least as high as the main reward) that get the KL", lo=0.0, lo_open=True, hi=1.0)
     gate_min: float = opt(0.02, "lower bound of beta_t", lo=0.0, hi=1.0)
@@ -107,6 +111,14 @@ class GARDO(FlowGRPO):
         if cfg.algorithm.gate_min > cfg.algorithm.gate_max:
             raise ConfigError("algorithm.gate_min: must not exceed algorithm.gate_max")
 
+    def check_inputs(self, rewards) -> None:
+        """With ``diversity_model``: load it now (a missing model fails before any work) and have the reward set
+        embed every rollout image beside its scores."""
+        if self.opts.diversity and self.opts.diversity_model:
+            from ..rewards.embedding import ImageEmbedder
+
+            rewards.embed_images_with(ImageEmbedder(self.opts.diversity_model))
+
     def attach(self, policy, ctx) -> None:
         self.policy = policy
         policy.reset_anchor()
@@ -115,7 +127,8 @@ class GARDO(FlowGRPO):
         """Advantages from the main reward alone (diversity-scaled), and the per-sample KL gate from all rewards."""
         names = list(scores.components)
         main = torch.where(scores.invalid, torch.nan, scores.components[names[0]])
-        adv, dist = diversity_advantages(main, tree.leaves.cpu(), tree.leaf_group, self.opts.diversity)
+        features = scores.features if scores.features is not None else tree.leaves.cpu()  # (L, D) / (L, C, H, W)
+        adv, dist = diversity_advantages(main, features, tree.leaf_group, self.opts.diversity)
         adv = adv.clamp(-self.cfg.advantage.clip, self.cfg.advantage.clip)
         fill = torch.nan_to_num(main, nan=float("-inf"))
         aux = [torch.nan_to_num(scores.components[n], nan=float("-inf")) for n in names[1:]]
