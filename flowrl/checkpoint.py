@@ -211,9 +211,22 @@ def checkpoint_is_lora(ckpt_dir: Path) -> bool:
     return bool(json.loads((Path(ckpt_dir) / "state.json").read_text()).get("lora", True))
 
 
+def _sharded(module) -> bool:
+    from .sharding import is_sharded
+
+    return any(is_sharded(p) for p in module.parameters())
+
+
+def _into_shards(module, state: dict[str, torch.Tensor]) -> None:
+    """Whole tensors, read by every process, into a sharded (FSDP2) module: each process keeps its own shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
 def load_full_into(transformer, ckpt_dir: Path, cfg=None) -> None:
     """Full fine-tuning weights (safetensors from ``save_pretrained``, or a sharded run's shards) into a
-    transformer of the same config."""
+    transformer of the same config, plain or sharded (every process of a sharded job calls it)."""
     from .sharded_checkpoint import is_sharded_checkpoint, load_sharded_weights
 
     if is_sharded_checkpoint(ckpt_dir):
@@ -231,12 +244,16 @@ def load_full_into(transformer, ckpt_dir: Path, cfg=None) -> None:
     if wrong or missing or unexpected:
         first = (wrong or missing or unexpected)[0]
         raise _mismatch(ckpt_dir, cfg, f"first differing tensor {first}")
-    transformer.load_state_dict(sd)
+    if _sharded(transformer):
+        _into_shards(transformer, sd)
+    else:
+        transformer.load_state_dict(sd)
 
 
 def load_lora_into(transformer, ckpt_dir: Path, cfg=None) -> None:
-    """Load a diffusers-format LoRA file into a transformer that already has the same adapter config; every
-    LoRA tensor of the model must come from the file, with its shape."""
+    """Load a diffusers-format LoRA file into a transformer that already has the same adapter config, plain or
+    sharded (every process of a sharded job calls it); every LoRA tensor of the model must come from the file,
+    with its shape."""
     from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
     path = Path(ckpt_dir) / LORA_FILE
@@ -252,7 +269,11 @@ def load_lora_into(transformer, ckpt_dir: Path, cfg=None) -> None:
     if wrong or set(own) != set(sd):
         first = (wrong or sorted(set(own) ^ set(sd)))[0]
         raise _mismatch(ckpt_dir, cfg, f"first differing LoRA tensor {first}; check train.lora rank and targets")
-    set_peft_model_state_dict(transformer, sd)
+    if _sharded(transformer):  # peft's names leave out the adapter's ("lora_A.weight" for "lora_A.default.weight")
+        names = {n.replace(".default", ""): n for n, _ in transformer.named_parameters() if "lora_" in n}
+        _into_shards(transformer, {names[k]: v for k, v in sd.items()})
+    else:
+        set_peft_model_state_dict(transformer, sd)
 
 
 def load_trainer_state(ckpt_dir: Path) -> dict:

@@ -163,6 +163,23 @@ def test_each_process_holds_half_of_every_sharded_weight():
         assert all(got[r][1][name][1:] == shape[1:] for r in (0, 1)), name
 
 
+@pytest.mark.parametrize("layout", ["full", pytest.param("lora", marks=pytest.mark.slow)])
+def test_distillation_from_an_unsharded_teacher_sharded_equals_one_process(tmp_path, layout):
+    """On-policy distillation under FSDP: every process reads the teacher's whole safetensors (LoRA or full) and
+    keeps its shard as the reference; the distillation KL and the update equal one unsharded process."""
+    full = ["train.lora.enabled=false", "train.lr=1e-4"] if layout == "full" else []
+    _ok(_train(tmp_path, "teacher", 1, "tiny_flow_grpo.yaml", "train.prompts_per_iter=2", "log.save_every=2", *full))
+    student = ["train.prompts_per_iter=2", "algorithm.name=on_policy_distillation", "train.kl_beta=1.0",
+               f"algorithm.teacher={tmp_path / 'teacher'}", *full]
+    _ok(_train(tmp_path, "one", 1, "tiny_flow_grpo.yaml", *student))
+    _ok(_train(tmp_path, "two", 2, "tiny_flow_grpo.yaml", *student, FSDP))
+    one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    assert one[0]["kl_loss"] > 1e-6  # the teacher differs from the starting weights: a KL to pull the student by
+    for a, b in zip(one, two):
+        for k in ("kl_loss", "grad_norm"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-9), k
+
+
 # ------------------------------------------------------------------------------------------ checkpoints
 def test_sharded_run_killed_mid_save_resumes_and_equals_the_whole_run(tmp_path, monkeypatch):
     common = ["train.prompts_per_iter=2", "train.iterations=3", "log.save_every=1", FSDP]

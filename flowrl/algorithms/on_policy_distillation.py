@@ -39,9 +39,6 @@ class OnPolicyDistillation(FlowGRPO):
         if cfg.train.kl_beta <= 0:
             raise ConfigError("train.kl_beta: on_policy_distillation's loss is train.kl_beta x the KL to the "
                               "teacher; set train.kl_beta > 0 (1.0 is the published coefficient)")
-        if cfg.train.fsdp.enabled:
-            raise ConfigError("train.fsdp.enabled: on_policy_distillation reads the teacher into an unsharded model; "
-                              "train it with data parallelism (train.fsdp.enabled=false), LoRA keeps the copy small")
         if cfg.train.kl_reference != "initial":
             raise ConfigError("train.kl_reference: on_policy_distillation's reference is the teacher; leave "
                               "train.kl_reference=initial")
