@@ -225,11 +225,30 @@ def test_sharded_run_killed_mid_save_resumes_and_equals_the_whole_run(tmp_path, 
     assert all(torch.equal(loaded[k.removeprefix("transformer.")], wa[k]) for k in wa)
 
 
-@pytest.mark.parametrize("config,override,message", [
+BAD_LAUNCHES = [
     ("tiny_flow_grpo.yaml", "train.fsdp.shard_size=3", "train.fsdp.shard_size=3: 2 processes cannot be split"),
     ("tiny_flow_grpo.yaml", "train.fsdp.cpu_offload=true", "train.fsdp.cpu_offload: moves the shards from a GPU"),
     ("tiny_flow_grpo.yaml", "train.context_parallel.ulysses=2", "no context-parallel plan for the sd3 transformer"),
     ("tiny_flux_branch_grpo.yaml", "train.context_parallel.ulysses=3", "= 3 does not divide the 2 processes"),
+]
+
+
+@pytest.mark.parametrize("config,override,message", BAD_LAUNCHES)
+def test_sharded_settings_that_cannot_work_are_refused_before_a_model_loads(config, override, message):
+    """The checks the trainer runs first, for a launch of 2 processes (the launch itself: the test below)."""
+    from flowrl.config import load_config
+    from flowrl.errors import ConfigError
+    from flowrl.sharding import check_context, check_options
+
+    cfg = load_config(ROOT / "configs" / config, [FSDP, override])
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_context(cfg, 2)
+        check_options(cfg, torch.device("cpu"), 2)
+
+
+@pytest.mark.parametrize("config,override,message", [
+    BAD_LAUNCHES[0],  # one refusal launched for real: each process prints the one line, no run folder is made
+    *[pytest.param(*case, marks=pytest.mark.slow) for case in BAD_LAUNCHES[1:]],
     pytest.param("tiny_flux_branch_grpo.yaml", "model.resolution=20", "do not split into 2 equal parts",
                  marks=pytest.mark.slow),  # after the model loads: the slowest of these
 ])
