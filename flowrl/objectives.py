@@ -106,14 +106,26 @@ class Objective(Protocol):
     def statistics(self) -> dict: ...
 
 
-def velocities(parts: TrainingParts, x: torch.Tensor, sigma: torch.Tensor, cond, with_reference: bool):
+def velocities(parts: TrainingParts, x: torch.Tensor, sigma: torch.Tensor, cond, with_reference: bool,
+               references: list[tuple[str, torch.Tensor]] | None = None):
     """(v, v_ref or None) at the states x (N, *latent): the policy's velocity with its graph, and the KL
     reference's without one. The reference goes first: an EMA reference swaps the weights in place, which must
-    not touch v's graph."""
+    not touch v's graph. ``references``: (name, row positions) pairs, each rows' v_ref from the named reference
+    (``Policy.reference(name)``) instead of the default one."""
     cfg, policy = parts.cfg, parts.policy
     g = cfg.sampler.guidance_scale if cfg.train.cfg else 1.0
     v_ref = None
-    if with_reference:
+    if with_reference and references is not None:
+        parts_ref = []
+        with torch.no_grad(), policy.accelerator.autocast():
+            for name, idx in references:
+                with policy.reference(name):
+                    parts_ref.append((idx, parts.adapter.velocity(x[idx], sigma[idx], cond.index(idx), g,
+                                                                  parts.negative)))
+        v_ref = torch.empty((x.shape[0], *parts_ref[0][1].shape[1:]), dtype=parts_ref[0][1].dtype, device=x.device)
+        for idx, v_part in parts_ref:
+            v_ref[idx] = v_part
+    elif with_reference:
         with torch.no_grad(), policy.reference(), policy.accelerator.autocast():
             v_ref = parts.adapter.velocity(x, sigma, cond, g, parts.negative)
     with policy.accelerator.autocast():
@@ -256,6 +268,10 @@ class TransitionObjective:
         return stats
 
     # ------------------------------------------------------------------------------------------ the terms
+    def velocities(self, x: torch.Tensor, sigma: torch.Tensor, rows: torch.Tensor, with_reference: bool):
+        """(v, v_ref or None) at states x (N, *latent) of the prompts ``rows`` (N,) of this update's batch."""
+        return velocities(self.parts, x, sigma, self.batch.cond.index(rows), with_reference)
+
     def _edge_terms(self, units: list):
         """Forward one micro-batch of parent states; returns per-edge (E,) log_prob, old, adv, kl, step index and
         the fused path's (loss, ratio) or None."""
@@ -267,7 +283,7 @@ class TransitionObjective:
         parent_index = tree.gather(tree.index, p_rnd, p_pos)
         sig = tree.sigmas[parent_index].to(dev)
         rows = tree.gather(tree.group, p_rnd, p_pos).to(dev)
-        v, v_ref = velocities(parts, x, sig, self.batch.cond.index(rows), cfg.train.kl_beta > 0)  # (U, *latent)
+        v, v_ref = self.velocities(x, sig, rows, cfg.train.kl_beta > 0)  # (U, *latent)
         # expand parents to their child edges: (E,) per-edge parent slot, child round and position
         pos = torch.tensor([i for i, u in enumerate(units) for _ in u.children], device=dev)
         rnd = torch.tensor([u.depth + 1 for u in units for _ in u.children])
@@ -323,7 +339,7 @@ class TransitionObjective:
         s = tree.sigmas[tree.gather(tree.index, rounds - 1, parent)]
         s_next = tree.sigmas[tree.gather(tree.index, rounds, child)]
         rows = tree.gather(tree.group, rounds - 1, parent).to(dev)
-        v, v_ref = velocities(self.parts, x, s.to(dev), self.batch.cond.index(rows), True)  # (K, *latent) each
+        v, v_ref = self.velocities(x, s.to(dev), rows, True)  # (K, *latent) each
         nxt = tree.gather(tree.latents, rounds, child).to(dev)  # scored only because the kernel asks for a sample
         level, sigma_at_one = cfg.sampler.noise_level, float(tree.sigmas[1])
         out = kernel_step(cfg.sampler.kernel, x, v, s, s_next, noise_level=level, sigma_at_one=sigma_at_one,
@@ -666,6 +682,15 @@ class DistillationObjective(TransitionObjective):
     def policy_rows(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         loss, ratio = super().policy_rows(log_ratio, adv)
         return self.algorithm.opts.reward_weight * loss, ratio
+
+    def velocities(self, x: torch.Tensor, sigma: torch.Tensor, rows: torch.Tensor, with_reference: bool):
+        """With one teacher per domain, each state's reference velocity is its prompt's teacher's."""
+        names = self.algorithm.teacher_of_rows(rows.tolist())  # (N,) teacher names, or None for one teacher
+        if names is None:
+            return super().velocities(x, sigma, rows, with_reference)
+        order = list(dict.fromkeys(names))
+        references = [(n, torch.tensor([i for i, m in enumerate(names) if m == n], device=x.device)) for n in order]
+        return velocities(self.parts, x, sigma, self.batch.cond.index(rows), with_reference, references)
 
 
 class RewardBackpropObjective:

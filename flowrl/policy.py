@@ -109,6 +109,7 @@ class Policy:
         self.adapter = adapter
         self.old = None  # the old (sampling) policy's weights, where the algorithm keeps one
         self.anchor = None  # a reference other than the starting weights (a teacher, a moving anchor), or None
+        self.anchors: dict[str, list[torch.Tensor]] = {}  # named references (one teacher per prompt domain)
 
     def _shard(self, cfg, adapter, device: torch.device, procs) -> None:
         """FSDP2 over every process (flowrl.sharding): the trained transformer and full fine-tuning's frozen
@@ -151,15 +152,17 @@ class Policy:
                 "memory/optimizer_mb": mb(state)}
 
     @contextmanager
-    def reference(self):
+    def reference(self, name: str | None = None):
         """The KL reference policy in place of the trained one for the duration: the starting weights (LoRA
-        disabled, or the frozen copy) or the EMA weights (``train.kl_reference``)."""
-        if self.anchor is not None:
-            self._swap(self.anchor)
+        disabled, or the frozen copy) or the EMA weights (``train.kl_reference``); the anchor where one is set;
+        with ``name``, the named anchor (:meth:`load_anchor`'s ``name``)."""
+        anchor = self.anchors[name] if name is not None else self.anchor
+        if anchor is not None:
+            self._swap(anchor)
             try:
                 yield
             finally:
-                self._swap(self.anchor)
+                self._swap(anchor)
         elif self.kl_reference == "ema":
             with self.ema_weights():
                 yield
@@ -218,15 +221,20 @@ class Policy:
         self.anchor = [p.detach().clone() for p in self.params]
 
     @torch.no_grad()
-    def load_anchor(self, ckpt_dir, cfg) -> None:
+    def load_anchor(self, ckpt_dir, cfg, name: str | None = None) -> None:
         """The KL reference becomes a checkpoint's weights (on-policy distillation's teacher): a flowrl checkpoint
         folder (:func:`flowrl.checkpoint.find_checkpoint`'s answer) of the same model and LoRA layout, read into the
-        transformer, copied, and the trained weights put back."""
+        transformer, copied, and the trained weights put back. With ``name`` it becomes a named reference
+        (``reference(name)``) and the default one is left as it is."""
         from .checkpoint import checkpoint_is_lora, load_full_into, load_lora_into
 
         kept = [p.detach().clone() for p in self.params]
         (load_lora_into if checkpoint_is_lora(ckpt_dir) else load_full_into)(self.module, ckpt_dir, cfg)
-        self.anchor = [p.detach().clone() for p in self.params]
+        copy = [p.detach().clone() for p in self.params]
+        if name is None:
+            self.anchor = copy
+        else:
+            self.anchors[name] = copy
         for p, k in zip(self.params, kept):
             p.copy_(k)
 

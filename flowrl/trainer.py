@@ -77,9 +77,10 @@ class Trainer:
         self.rewards = build_reward_set(cfg.rewards)
         evaluator = resolve(EVALUATORS, cfg.log.eval, "log.eval")() if cfg.log.eval != "none" else None
         self.algorithm = make_algorithm(cfg)
-        self.algorithm.check_inputs(self.rewards)
-        reference = self.algorithm.reference_checkpoint()
-        reference = find_checkpoint(reference) if reference else None  # a missing teacher fails before any work
+        self.algorithm.check_inputs(self.rewards, self.prompts)
+        reference = self.algorithm.reference_checkpoint()  # a folder, or {name: folder} (named references)
+        references = {name: find_checkpoint(path) for name, path in  # a missing teacher fails before any work
+                      ((reference if isinstance(reference, dict) else {None: reference}) if reference else {}).items()}
         if cfg.train.fsdp.enabled:  # the mesh must fit the launch, the options the device
             from .sharding import check_options
 
@@ -123,8 +124,8 @@ class Trainer:
             self.eval_sampler = ShardedSampler(self.eval_sampler, self.procs, equal_shares=cfg.train.fsdp.enabled)
         self.sigmas, self.negative = self.rollout_sampler.sigmas, self.rollout_sampler.negative
         self.context = AlgorithmContext(self.prompts, self.rewards, self.rollout_sampler)
-        if reference is not None:
-            self.policy.load_anchor(reference, cfg)
+        for name, path in references.items():
+            self.policy.load_anchor(path, cfg, name)
         self.algorithm.attach(self.policy, self.context)
         options = kernel_options(cfg)
         self.objective = self.algorithm.make_objective(TrainingParts(

@@ -78,7 +78,7 @@ class Euphonium(DanceGRPO):
             raise ConfigError(f"algorithm.guidance_start={cfg.algorithm.guidance_start}: no step of "
                               f"sampler.num_steps={cfg.sampler.num_steps} would be guided")
 
-    def check_inputs(self, rewards) -> None:
+    def check_inputs(self, rewards, prompts=None) -> None:
         from ..config import RewardSpec
         from ..rewards import build_reward_set
 

@@ -93,16 +93,17 @@ class FlowGRPO:
                 raise ConfigError(f"algorithm.antithetic: the group is split into mirrored pairs; "
                                   f"algorithm.group_size={a.group_size} must be even")
 
-    def check_inputs(self, rewards) -> None:
+    def check_inputs(self, rewards, prompts=None) -> None:
         """Called once the reward set is built, before a model loads or the run folder is made: an algorithm that
-        needs something outside its config (rewards that pass a gradient, a teacher checkpoint) refuses here in one
-        line.
+        needs something outside its config (rewards that pass a gradient, a teacher checkpoint, prompt metadata)
+        refuses here in one line.
 
         Args:
             rewards: the :class:`~rewards.registry.RewardSet`.
+            prompts: the training prompts (:class:`~flowrl.prompts.PromptSource`: ``prompts`` and ``metadata``).
         """
 
-    def reference_checkpoint(self) -> str | None:
+    def reference_checkpoint(self) -> str | dict[str, str] | None:
         """A run or checkpoint folder whose weights take the KL reference's place (on-policy distillation's
         teacher), or None for the starting weights. The trainer checks it before a model loads and reads it once the
         policy exists."""

@@ -111,7 +111,7 @@ class GARDO(FlowGRPO):
         if cfg.algorithm.gate_min > cfg.algorithm.gate_max:
             raise ConfigError("algorithm.gate_min: must not exceed algorithm.gate_max")
 
-    def check_inputs(self, rewards) -> None:
+    def check_inputs(self, rewards, prompts=None) -> None:
         """With ``diversity_model``: load it now (a missing model fails before any work) and have the reward set
         embed every rollout image beside its scores."""
         if self.opts.diversity and self.opts.diversity_model:

@@ -8,7 +8,9 @@ with the teacher in the KL reference's place: a flowrl checkpoint (a run folder 
 same model, read once at the start (``algorithm.teacher``). With ``reward_weight`` 0 (the default) no reward enters
 the loss: the reward is only logged, and the loss is pure distillation (verl-omni's ``distill_kl`` and UniRL's
 DiffusionOPD); with 1 it is Flow-GRPO's update plus the distillation term (verl-omni's recipe with a distillation
-coefficient). ``train.kl_std`` chooses the std (the transition's, or Flow-GRPO's without sqrt(|dt|)); the first
+coefficient). ``teachers`` instead gives one teacher per value of a prompt metadata field (``domain_key``): each
+prompt's samples are pulled toward their domain's teacher (UniRL's routing of frozen task teachers; Flow-OPD's
+single-reward teachers). ``train.kl_std`` chooses the std (the transition's, or Flow-GRPO's without sqrt(|dt|)); the first
 update's ratio is still logged and is 1."""
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from .flow_grpo import FlowGRPO, FlowGRPOOptions
 class OnPolicyDistillationOptions(FlowGRPOOptions):
     teacher: str = opt("", "the teacher: a flowrl run folder or checkpoint folder of the same model and LoRA layout "
                        "(its weights become the KL reference)")
+    teachers: dict[str, str] = opt({}, "one teacher per domain instead: {domain: run or checkpoint folder}; a "
+                                   "prompt's domain is its metadata field domain_key")
+    domain_key: str = opt("domain", "with teachers: the prompt metadata field naming each prompt's domain")
     reward_weight: float = opt(0.0, "weight of the reward's PPO term beside the distillation (0 = pure "
                                "distillation; the reward is still logged)", lo=0.0)
 
@@ -33,9 +38,11 @@ class OnPolicyDistillation(FlowGRPO):
     @classmethod
     def check(cls, cfg) -> None:
         super().check(cfg)
-        if not cfg.algorithm.teacher:
+        if cfg.algorithm.teacher and cfg.algorithm.teachers:
+            raise ConfigError("algorithm.teachers: give algorithm.teacher or algorithm.teachers, not both")
+        if not cfg.algorithm.teacher and not cfg.algorithm.teachers:
             raise ConfigError("algorithm.teacher: on_policy_distillation needs the teacher's run or checkpoint "
-                              "folder; set algorithm.teacher=PATH")
+                              "folder; set algorithm.teacher=PATH (or algorithm.teachers={domain: PATH, ...})")
         if cfg.train.kl_beta <= 0:
             raise ConfigError("train.kl_beta: on_policy_distillation's loss is train.kl_beta x the KL to the "
                               "teacher; set train.kl_beta > 0 (1.0 is the published coefficient)")
@@ -43,9 +50,29 @@ class OnPolicyDistillation(FlowGRPO):
             raise ConfigError("train.kl_reference: on_policy_distillation's reference is the teacher; leave "
                               "train.kl_reference=initial")
 
-    def reference_checkpoint(self) -> str | None:
-        """The teacher: the trainer reads it into the KL reference's place."""
-        return self.opts.teacher
+    def reference_checkpoint(self) -> str | dict[str, str] | None:
+        """The teacher, or the teachers by domain: the trainer reads them into the KL reference's place."""
+        return dict(self.opts.teachers) or self.opts.teacher
+
+    def check_inputs(self, rewards, prompts=None) -> None:
+        """With ``teachers``: every training prompt's domain has a teacher."""
+        if not self.opts.teachers or prompts is None:
+            return
+        key = self.opts.domain_key
+        for text, meta in zip(prompts.prompts, prompts.metadata):
+            domain = (meta or {}).get(key)
+            if domain is None:
+                raise ConfigError(f"algorithm.teachers: prompt {text[:60]!r} has no metadata field {key!r} "
+                                  f"(algorithm.domain_key); give every prompt its domain")
+            if str(domain) not in self.opts.teachers:
+                raise ConfigError(f"algorithm.teachers: prompt {text[:60]!r} has domain {str(domain)!r}, which has no "
+                                  f"teacher; add it to algorithm.teachers")
+
+    def teacher_of_rows(self, rows: list[int]) -> list[str] | None:
+        """The teacher name of each of the iteration's prompt rows, or None with a single teacher."""
+        if not self.opts.teachers:
+            return None
+        return [str(self.metadata[r][self.opts.domain_key]) for r in rows]
 
     def make_objective(self, parts):
         """The transitions' objective with the policy term scaled by ``reward_weight``."""

@@ -39,7 +39,7 @@ class ReFL(FlowGRPO):
         if cfg.train.kl_untrained_beta > 0:
             raise ConfigError("train.kl_untrained_beta: refl trains no transitions; set train.kl_untrained_beta=0")
 
-    def check_inputs(self, rewards) -> None:
+    def check_inputs(self, rewards, prompts=None) -> None:
         bad = rewards.not_differentiable()
         if bad:
             raise RewardError(f"rewards: refl follows the reward's gradient, and {', '.join(bad)} passes none to the "
