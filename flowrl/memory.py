@@ -120,13 +120,15 @@ def state_bytes(cfg, arch: Architecture, shards: int) -> dict:
     wbytes = DTYPE_BYTES[cfg.model.dtype]
     moments = 2 if t.optimizer == "adamw_8bit" else 8  # two moments, fp32 or 8-bit
     kl = t.kl_beta > 0 or t.kl_untrained_beta > 0
+    algorithm = make_algorithm(cfg)
     out = {
         "weights": (frozen * wbytes + trained * 4) / shards,
         "gradients": trained * 4 / shards,
         "optimizer": trained * moments / shards,
         "ema": trained * 4 / shards if t.ema.enabled else 0,
         "reference": total * 4 / shards if kl and t.kl_reference == "initial" and not t.lora.enabled else 0,
-        "old_policy": trained * 4 / shards if make_algorithm(cfg).keeps_old_policy else 0,
+        "old_policy": trained * 4 / shards if algorithm.keeps_old_policy else 0,
+        "anchors": algorithm.reference_copies() * trained * 4 / shards,  # moving references, teachers
         "other_expert": total * wbytes if arch.experts == 2 else 0,  # held whole: frozen, bf16
     }
     return out, {"parameters": total, "trained": trained}
@@ -301,8 +303,8 @@ def auto_micro_batch(cfg, device: torch.device, world: int, headroom: float = 0.
 
 
 def format_table(result: dict) -> str:
-    cols = ["weights", "gradients", "optimizer", "ema", "reference", "old_policy", "other_expert", "activations",
-            "total"]
+    cols = ["weights", "gradients", "optimizer", "ema", "reference", "old_policy", "anchors", "other_expert",
+            "activations", "total"]
     head = f"{result['model']}: {result['parameters'] / 1e9:.2f}B parameters, {result['trained'] / 1e6:.1f}M trained" \
            f"{', two experts' if result['experts'] == 2 else ''}; FSDP {'on' if result['fsdp'] else 'off'}"
     lines = [head, "", "| processes | shard | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]

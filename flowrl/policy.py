@@ -149,7 +149,8 @@ class Policy:
         state = [v for st in raw.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
         return {"memory/weights_mb": mb(self.module.parameters()),
                 "memory/gradients_mb": mb(p.grad for p in self.params if p.grad is not None),
-                "memory/optimizer_mb": mb(state)}
+                "memory/optimizer_mb": mb(state),
+                "memory/anchors_mb": mb([t for a in [self.anchor or [], *self.anchors.values()] for t in a])}
 
     @contextmanager
     def reference(self, name: str | None = None):

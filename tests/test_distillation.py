@@ -92,7 +92,12 @@ def test_each_prompt_is_pulled_toward_its_domains_teacher(tmp_path):
         names = [n for n, _ in mixed.policy.module.named_parameters() if "lora_" in n]
         held = sorted(float(a.abs().sum()) for n, a in zip(names, mixed.policy.anchors[d]) if "lora_B" in n)
         assert held == pytest.approx(lora_b, rel=1e-6) and sum(lora_b) > 0
-    mixed_kl = mixed.iteration(0)["kl_loss"]
+    row = mixed.iteration(0)
+    mixed_kl = row["kl_loss"]
+    from flowrl.memory import estimate  # flowrl memory counts both teachers' copies of the trained weights
+
+    assert estimate(mixed.cfg, [1])["per_process_gib"][0]["anchors"] * 1024 == pytest.approx(
+        row["memory/anchors_mb"], rel=1e-6) and row["memory/anchors_mb"] > 0
     one_domain = {}
     for d in ("ocr", "count"):
         (tmp_path / f"only_{d}").mkdir()

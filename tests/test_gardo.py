@@ -58,6 +58,10 @@ def test_reference_resets(tmp_path):
     trainer = Trainer(cfg)
     anchor0 = [a.clone() for a in trainer.policy.anchor]
     rows = [trainer.iteration(i) for i in range(3)]
+    from flowrl.memory import estimate  # flowrl memory counts the moving reference
+
+    assert estimate(cfg, [1])["per_process_gib"][0]["anchors"] * 1024 == pytest.approx(
+        rows[0]["memory/anchors_mb"], rel=1e-6) and rows[0]["memory/anchors_mb"] > 0
     assert rows[0]["ratio_max_abs_dev_first_update"] < 1e-5
     assert [r["gardo_reference_reset"] for r in rows] == [0.0, 1.0, 0.0]  # more than 1 iteration since the reset
     assert 0 < rows[0]["gardo_gated"] < 1

@@ -103,6 +103,11 @@ class FlowGRPO:
             prompts: the training prompts (:class:`~flowrl.prompts.PromptSource`: ``prompts`` and ``metadata``).
         """
 
+    def reference_copies(self) -> int:
+        """Copies of the trained weights this method holds as KL references besides the policy (a moving anchor,
+        distillation teachers); ``flowrl memory`` counts them."""
+        return 0
+
     def reference_checkpoint(self) -> str | dict[str, str] | None:
         """A run or checkpoint folder whose weights take the KL reference's place (on-policy distillation's
         teacher), or None for the starting weights. The trainer checks it before a model loads and reads it once the

@@ -119,6 +119,9 @@ class GARDO(FlowGRPO):
 
             rewards.embed_images_with(ImageEmbedder(self.opts.diversity_model))
 
+    def reference_copies(self) -> int:
+        return 1  # the moving reference
+
     def attach(self, policy, ctx) -> None:
         self.policy = policy
         policy.reset_anchor()

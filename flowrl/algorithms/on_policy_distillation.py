@@ -54,6 +54,9 @@ class OnPolicyDistillation(FlowGRPO):
         """The teacher, or the teachers by domain: the trainer reads them into the KL reference's place."""
         return dict(self.opts.teachers) or self.opts.teacher
 
+    def reference_copies(self) -> int:
+        return max(1, len(self.opts.teachers))
+
     def check_inputs(self, rewards, prompts=None) -> None:
         """With ``teachers``: every training prompt's domain has a teacher."""
         if not self.opts.teachers or prompts is None:
