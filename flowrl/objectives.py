@@ -111,7 +111,8 @@ def velocities(parts: TrainingParts, x: torch.Tensor, sigma: torch.Tensor, cond,
     """(v, v_ref or None) at the states x (N, *latent): the policy's velocity with its graph, and the KL
     reference's without one. The reference goes first: an EMA reference swaps the weights in place, which must
     not touch v's graph. ``references``: (name, row positions) pairs, each rows' v_ref from the named reference
-    (``Policy.reference(name)``) instead of the default one."""
+    (``Policy.reference(name)``) instead of the default one; a name with no rows still makes its pass (on the first
+    state, dropped), so that sharded processes make the same calls whatever their rows."""
     cfg, policy = parts.cfg, parts.policy
     g = cfg.sampler.guidance_scale if cfg.train.cfg else 1.0
     v_ref = None
@@ -119,9 +120,10 @@ def velocities(parts: TrainingParts, x: torch.Tensor, sigma: torch.Tensor, cond,
         parts_ref = []
         with torch.no_grad(), policy.accelerator.autocast():
             for name, idx in references:
+                run = idx if len(idx) else idx.new_zeros(1)
                 with policy.reference(name):
-                    parts_ref.append((idx, parts.adapter.velocity(x[idx], sigma[idx], cond.index(idx), g,
-                                                                  parts.negative)))
+                    v_part = parts.adapter.velocity(x[run], sigma[run], cond.index(run), g, parts.negative)
+                parts_ref.append((idx, v_part[: len(idx)]))
         v_ref = torch.empty((x.shape[0], *parts_ref[0][1].shape[1:]), dtype=parts_ref[0][1].dtype, device=x.device)
         for idx, v_part in parts_ref:
             v_ref[idx] = v_part
@@ -688,8 +690,10 @@ class DistillationObjective(TransitionObjective):
         names = self.algorithm.teacher_of_rows(rows.tolist())  # (N,) teacher names, or None for one teacher
         if names is None:
             return super().velocities(x, sigma, rows, with_reference)
-        order = list(dict.fromkeys(names))
-        references = [(n, torch.tensor([i for i, m in enumerate(names) if m == n], device=x.device)) for n in order]
+        # sharded: every teacher's pass in every micro-batch (the processes' collectives must match)
+        order = sorted(self.algorithm.opts.teachers) if self.parts.policy.sharded else list(dict.fromkeys(names))
+        references = [(n, torch.tensor([i for i, m in enumerate(names) if m == n], dtype=torch.long,
+                                    device=x.device)) for n in order]
         return velocities(self.parts, x, sigma, self.batch.cond.index(rows), with_reference, references)
 
 

@@ -163,14 +163,26 @@ def test_each_process_holds_half_of_every_sharded_weight():
         assert all(got[r][1][name][1:] == shape[1:] for r in (0, 1)), name
 
 
-@pytest.mark.parametrize("layout", ["full", pytest.param("lora", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", ["full", "two_teachers", pytest.param("lora", marks=pytest.mark.slow)])
 def test_distillation_from_an_unsharded_teacher_sharded_equals_one_process(tmp_path, layout):
     """On-policy distillation under FSDP: every process reads the teacher's whole safetensors (LoRA or full) and
-    keeps its shard as the reference; the distillation KL and the update equal one unsharded process."""
+    keeps its shard as the reference; the distillation KL and the update equal one unsharded process. Two teachers
+    by prompt domain: every micro-batch makes both teachers' passes on every process, so the sharded processes'
+    collectives stay matched whatever domains their rows hold."""
     full = ["train.lora.enabled=false", "train.lr=1e-4"] if layout == "full" else []
-    _ok(_train(tmp_path, "teacher", 1, "tiny_flow_grpo.yaml", "train.prompts_per_iter=2", "log.save_every=2", *full))
-    student = ["train.prompts_per_iter=2", "algorithm.name=on_policy_distillation", "train.kl_beta=1.0",
-               f"algorithm.teacher={tmp_path / 'teacher'}", *full]
+    teachers = ("ocr", "count") if layout == "two_teachers" else ("only",)
+    for seed, name in enumerate(teachers):
+        _ok(_train(tmp_path, name, 1, "tiny_flow_grpo.yaml", "train.prompts_per_iter=2", "log.save_every=2",
+                   f"train.seed={seed}", *full))
+    student = ["train.prompts_per_iter=2", "algorithm.name=on_policy_distillation", "train.kl_beta=1.0", *full]
+    if layout == "two_teachers":
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"prompt": f"a {c} circle", "domain": d}) + "\n"
+                                   for c, d in (("red", "ocr"), ("blue", "count"), ("green", "count"))))
+        student += [f"data.prompt_file={prompts}",
+                    f"algorithm.teachers={{ocr: {tmp_path / 'ocr'}, count: {tmp_path / 'count'}}}"]
+    else:
+        student.append(f"algorithm.teacher={tmp_path / 'only'}")
     _ok(_train(tmp_path, "one", 1, "tiny_flow_grpo.yaml", *student))
     _ok(_train(tmp_path, "two", 2, "tiny_flow_grpo.yaml", *student, FSDP))
     one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
