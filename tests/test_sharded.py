@@ -172,7 +172,7 @@ def test_distillation_from_an_unsharded_teacher_sharded_equals_one_process(tmp_p
     full = ["train.lora.enabled=false", "train.lr=1e-4"] if layout == "full" else []
     teachers = ("ocr", "count") if layout == "two_teachers" else ("only",)
     for seed, name in enumerate(teachers):
-        _ok(_train(tmp_path, name, 1, "tiny_flow_grpo.yaml", "train.prompts_per_iter=2", "log.save_every=2",
+        _ok(_train(tmp_path, name, 1, "tiny_flow_grpo.yaml", "train.prompts_per_iter=2", "train.iterations=1",
                    f"train.seed={seed}", *full))
     student = ["train.prompts_per_iter=2", "algorithm.name=on_policy_distillation", "train.kl_beta=1.0", *full]
     if layout == "two_teachers":
