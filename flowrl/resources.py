@@ -27,10 +27,14 @@ def configs_dir() -> Path:
 
 def find_config(path: str | Path) -> Path | None:
     """A config path as given if it exists; else the shipped preset of that name (``configs/tiny_default.yaml``,
-    ``tiny_default.yaml`` or ``tiny_default``), so ``flowrl train configs/tiny_default.yaml`` works from any folder."""
+    ``tiny_default.yaml`` or ``tiny_default``; ``configs/benchmarks/ranked.yaml`` in its subfolder), so
+    ``flowrl train configs/tiny_default.yaml`` works from any folder."""
     p = Path(path)
     if p.is_file():
         return p
     name = p.name if p.suffix in (".yaml", ".yml") else p.name + ".yaml"
-    shipped = configs_dir() / name
-    return shipped if shipped.is_file() else None
+    inside = p.parts[1:-1] if p.parts[:1] == ("configs",) else p.parts[:-1]  # a subfolder of the presets
+    for shipped in (configs_dir().joinpath(*inside, name), configs_dir() / name):
+        if shipped.is_file():
+            return shipped
+    return None

@@ -21,6 +21,7 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
     assert "flowrl/assets/tiny_shapes/transformer/diffusion_pytorch_model.safetensors" in names
     assert "flowrl/assets/tiny_clip/open_clip_model.safetensors" in names
     assert "flowrl/configs/tiny_default.yaml" in names and "flowrl/samplers/kernels.py" in names
+    assert "flowrl/configs/benchmarks/ranked.yaml" in names  # the ranked table's plan, by its documented path
     # a fresh environment; the pinned torch and the other dependencies are reused from this one (a .pth line
     # adds its site-packages to the path without running its .pth files, so the editable flowrl stays out)
     env_dir = tmp_path / "env"

@@ -4,6 +4,7 @@ and drawn."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +66,16 @@ def test_plan_errors_are_one_line(tmp_path):
                                      "overrides: ['x={run:b:0}']}\n")
     with pytest.raises(ConfigError, match="a-s0 names b-s0, which the plan does not run"):
         read_plan(tmp_path / "q.yaml")
+
+
+def test_the_shipped_ranked_plan_is_found_from_any_folder(tmp_path, monkeypatch):
+    """`flowrl rank --plan configs/benchmarks/ranked.yaml`, the command on the benchmarks page, works outside the
+    repository: the plan and every label's preset resolve to the shipped files."""
+    from flowrl.report.plan import read_plan
+    from flowrl.resources import configs_dir
+
+    monkeypatch.chdir(tmp_path)
+    plan, runs = read_plan("configs/benchmarks/ranked.yaml")
+    assert plan["baseline"] == "flat" and len(plan["labels"]) == 25
+    assert {r.label for r in runs} == set(plan["labels"]) and len(runs) == 89
+    assert all(Path(r.config).is_file() and Path(r.config).parent == configs_dir() for r in runs)

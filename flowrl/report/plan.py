@@ -51,9 +51,12 @@ def read_plan(path: Path) -> tuple[dict, list[PlannedRun]]:
     """The plan's settings and its runs, dependencies first; one-line errors for what is missing."""
     import yaml
 
-    path = Path(path)
-    if not path.is_file():
+    from ..resources import find_config
+
+    found = find_config(path)  # a file, or the shipped plan of that name (configs/benchmarks/ranked.yaml)
+    if found is None:
         raise ConfigError(f"{path}: no such plan file")
+    path = found
     plan = yaml.safe_load(path.read_text()) or {}
     for key in ("protocol", "seeds", "labels"):
         if key not in plan:
@@ -62,10 +65,11 @@ def read_plan(path: Path) -> tuple[dict, list[PlannedRun]]:
     for label, spec in plan["labels"].items():
         if "config" not in spec:
             raise ConfigError(f"{path}: label {label!r} needs a config")
-        if not Path(spec["config"]).is_file():
+        config = find_config(spec["config"])  # as given, or the shipped preset of that name
+        if config is None:
             raise ConfigError(f"{path}: label {label!r}: no config {spec['config']}")
         for seed in spec.get("seeds", plan["seeds"]):
-            runs.append(PlannedRun(label, int(seed), spec["config"], list(spec.get("overrides", []))))
+            runs.append(PlannedRun(label, int(seed), str(config), list(spec.get("overrides", []))))
     names = {r.name for r in runs}
     for r in runs:
         missing = r.needs() - names
