@@ -1,7 +1,8 @@
 """Image embeddings from a transformers vision backbone (DINOv2, DINOv3, a CLIP vision tower, ...): one pooled
 vector per image, for methods that measure how different a group's samples are (GARDO's diversity-aware
-advantages). The backbone's own image processor prepares the images; the vector is the model's ``pooler_output``
-(the normalised CLS token for DINOv2 / DINOv3), or the first token of ``last_hidden_state`` where it has none."""
+advantages). The backbone's own image processor prepares the images. The vector is a dual encoder's projected
+image embedding (``get_image_features``: CLIP, SigLIP), else the model's ``pooler_output`` (the normalised CLS token
+for DINOv2 / DINOv3), else the first token of ``last_hidden_state``."""
 
 from __future__ import annotations
 
@@ -37,7 +38,12 @@ class ImageEmbedder:
             n, f = images.shape[:2]
             return self(images.flatten(0, 1)).view(n, f, -1).mean(1)
         pixels = self.processor(images=to_pil(images.detach().float().cpu()), return_tensors="pt")["pixel_values"]
-        out = self.model(pixel_values=pixels.to(self.device, self.model.dtype))
-        pooled = getattr(out, "pooler_output", None)
-        pooled = out.last_hidden_state[:, 0] if pooled is None else pooled  # (N, D)
+        pixels = pixels.to(self.device, self.model.dtype)
+        if hasattr(self.model, "get_image_features"):  # a dual encoder: its projected image embedding
+            out = self.model.get_image_features(pixel_values=pixels)
+            pooled = out if torch.is_tensor(out) else out.pooler_output
+        else:
+            out = self.model(pixel_values=pixels)
+            pooled = getattr(out, "pooler_output", None)
+            pooled = out.last_hidden_state[:, 0] if pooled is None else pooled  # (N, D)
         return pooled.flatten(1).float().cpu()

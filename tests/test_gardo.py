@@ -103,6 +103,29 @@ def test_image_embedder_is_the_backbones_pooled_output(tiny_dinov2):
     assert torch.allclose(embed(videos), expected.mean(0, keepdim=True), atol=1e-6)
 
 
+def test_image_embedder_takes_a_dual_encoders_projected_image_embedding(tmp_path):
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
+
+    from flowrl.rewards.embedding import ImageEmbedder
+    from flowrl.rewards.loading import to_pil
+
+    torch.manual_seed(0)
+    model = CLIPModel(CLIPConfig(projection_dim=12, text_config=dict(hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=32, vocab_size=100, bos_token_id=0,
+                                 eos_token_id=1),
+                                 vision_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                                    intermediate_size=32, image_size=32, patch_size=8)))
+    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    images = torch.rand(2, 3, 36, 36, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model.get_image_features(pixel_values=processor(images=to_pil(images), return_tensors="pt")
+                                            ["pixel_values"]).pooler_output
+    got = ImageEmbedder(str(tmp_path), device="cpu")(images)
+    assert got.shape == (2, 12) and torch.allclose(got, expected, atol=1e-6)
+
+
 def test_reward_set_returns_the_embeddings_with_the_scores(tiny_dinov2):
     from flowrl.errors import RewardError
     from flowrl.rewards.embedding import ImageEmbedder
