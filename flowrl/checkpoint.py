@@ -269,11 +269,7 @@ def load_lora_into(transformer, ckpt_dir: Path, cfg=None) -> None:
     if wrong or set(own) != set(sd):
         first = (wrong or sorted(set(own) ^ set(sd)))[0]
         raise _mismatch(ckpt_dir, cfg, f"first differing LoRA tensor {first}; check train.lora rank and targets")
-    if _sharded(transformer):  # peft's names leave out the adapter's ("lora_A.weight" for "lora_A.default.weight")
-        names = {n.replace(".default", ""): n for n, _ in transformer.named_parameters() if "lora_" in n}
-        _into_shards(transformer, {names[k]: v for k, v in sd.items()})
-    else:
-        set_peft_model_state_dict(transformer, sd)
+    set_peft_model_state_dict(transformer, sd)  # sharded too: peft cuts whole tensors into DTensor parameters
 
 
 def load_trainer_state(ckpt_dir: Path) -> dict:
