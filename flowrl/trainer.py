@@ -78,9 +78,8 @@ class Trainer:
         evaluator = resolve(EVALUATORS, cfg.log.eval, "log.eval")() if cfg.log.eval != "none" else None
         self.algorithm = make_algorithm(cfg)
         self.algorithm.check_inputs(self.rewards, self.prompts)
-        reference = self.algorithm.reference_checkpoint()  # a folder, or {name: folder} (named references)
-        references = {name: find_checkpoint(path) for name, path in  # a missing teacher fails before any work
-                      ((reference if isinstance(reference, dict) else {None: reference}) if reference else {}).items()}
+        references = {name: find_checkpoint(path)  # a missing teacher fails before any work
+                      for name, path in self.algorithm.reference_checkpoints().items()}
         if cfg.train.fsdp.enabled:  # the mesh must fit the launch, the options the device
             from .sharding import check_options
 

@@ -108,11 +108,12 @@ class FlowGRPO:
         distillation teachers); ``flowrl memory`` counts them."""
         return 0
 
-    def reference_checkpoint(self) -> str | dict[str, str] | None:
-        """A run or checkpoint folder whose weights take the KL reference's place (on-policy distillation's
-        teacher), or None for the starting weights. The trainer checks it before a model loads and reads it once the
-        policy exists."""
-        return None
+    def reference_checkpoints(self) -> dict[str | None, str]:
+        """Run or checkpoint folders whose weights take the KL reference's place: ``{None: folder}`` for the
+        reference (on-policy distillation's teacher), ``{name: folder}`` for named ones (``Policy.reference(name)``);
+        empty for the starting weights. The trainer checks them before a model loads and reads them once the policy
+        exists."""
+        return {}
 
     def attach(self, policy, ctx: AlgorithmContext) -> None:
         """Called once the policy exists, before the first iteration: an algorithm that sets the KL reference

@@ -50,9 +50,9 @@ class OnPolicyDistillation(FlowGRPO):
             raise ConfigError("train.kl_reference: on_policy_distillation's reference is the teacher; leave "
                               "train.kl_reference=initial")
 
-    def reference_checkpoint(self) -> str | dict[str, str] | None:
+    def reference_checkpoints(self) -> dict[str | None, str]:
         """The teacher, or the teachers by domain: the trainer reads them into the KL reference's place."""
-        return dict(self.opts.teachers) or self.opts.teacher
+        return dict(self.opts.teachers) or {None: self.opts.teacher}
 
     def reference_copies(self) -> int:
         return max(1, len(self.opts.teachers))
