@@ -259,6 +259,110 @@ def sibling_noise(shape: tuple[int, ...], branch: int, mode: str, strength: floa
     return (shared + strength * eps) / math.sqrt(1 + strength**2)
 
 
+@dataclass
+class _RoundWork:
+    """What one round does, known from the plan alone: the tree's shape never depends on the latents, so the whole
+    rollout's bookkeeping is done on the host before the first transformer call, and the round loop runs on the
+    device without waiting for it (no host synchronisation per round). Positions are into the current round."""
+
+    live: list[int]  # nodes above sigma_T: they go through the transformer, in this order
+    main_index: int  # the main line's grid index this round (-1: no main-line node is live)
+    branch: list[int]  # the parent of each main-line child, siblings consecutive
+    side: list[int]  # the parent of each side jump
+    completion: list[int]  # the parent of each completion step (ODE, on a side branch)
+    completion_from: list[int]  # its grid indices: from, to
+    completion_to: list[int]
+    children: dict  # the next round's per-node fields (index, group, root, lineage, parent, level, sde, trained,
+    # stride) as Python lists, in the order branch children, side jumps, completions
+
+
+def plan_rounds(plan: RolloutPlan, roots: list[int], noise_level: float) -> tuple[dict, list[_RoundWork]]:
+    """The rollout's topology, round by round, in plain Python (no tensor operation): round 0's fields and one
+    :class:`_RoundWork` per round that evaluates at least one node."""
+    t_steps = plan.num_steps
+    n0 = sum(roots)
+    cur = {"index": [0] * n0, "group": [g for g, k in enumerate(roots) for _ in range(k)], "root": list(range(n0)),
+           "lineage": [-1] * n0, "parent": [-1] * n0, "level": [0.0] * n0, "sde": [False] * n0,
+           "trained": [False] * n0, "stride": [0] * n0}
+    first, works = cur, []
+    while True:
+        live = [k for k, i in enumerate(cur["index"]) if i < t_steps]
+        if not live:
+            return first, works
+        nxt = {name: [] for name in cur}
+
+        def add(parents, index, lineage, level, sde, trained, stride):
+            nxt["parent"] += parents
+            nxt["group"] += [cur["group"][p] for p in parents]
+            nxt["root"] += [cur["root"][p] for p in parents]
+            for name, value in (("index", index), ("lineage", lineage), ("level", level), ("sde", sde),
+                                ("trained", trained), ("stride", stride)):
+                nxt[name] += value if isinstance(value, list) else [value] * len(parents)
+
+        main = [k for k in live if cur["lineage"][k] < 0]
+        branch, side, main_index = [], [], -1
+        if main:
+            main_index = i = cur["index"][main[0]]  # the main line advances one index per round
+            spec = plan.steps[i]
+            level = noise_level if spec.noise_level is None else spec.noise_level
+            branch = [k for k in main for _ in range(spec.branch)]
+            add(branch, i + 1, -1, level, spec.sde, spec.trained, 0)
+            side = [k for k in main for _ in range(spec.side)]
+            add(side, i + spec.side_merge, i, level, True, True, 0)
+        # side branches are completed deterministically, `stride` indices per ODE step: chains already under way
+        # first, then each side child that just jumped, once per completion granularity
+        comp = [k for k in live if cur["lineage"][k] >= 0]
+        going = [(k, cur["stride"][k]) for k in comp if cur["stride"][k] > 0]
+        fresh = [(k, g) for k in comp if cur["stride"][k] == 0
+                 for g in plan.steps[cur["lineage"][k]].side_granularities]
+        completion = [k for k, _ in going + fresh]
+        strides = [g for _, g in going + fresh]
+        c_from = [cur["index"][k] for k in completion]
+        c_to = [min(i + g, t_steps) for i, g in zip(c_from, strides)]
+        add(completion, c_to, [cur["lineage"][k] for k in completion], 0.0, False, False, strides)
+        works.append(_RoundWork(live, main_index, branch, side, completion, c_from, c_to, nxt))
+        cur = nxt
+
+
+def _round_fields(fields: dict) -> dict:
+    """A round's per-node fields as the CPU tensors a :class:`Round` holds."""
+    return {"index": torch.tensor(fields["index"], dtype=torch.long),
+            "group": torch.tensor(fields["group"], dtype=torch.long),
+            "root": torch.tensor(fields["root"], dtype=torch.long),
+            "lineage": torch.tensor(fields["lineage"], dtype=torch.long),
+            "parent": torch.tensor(fields["parent"], dtype=torch.long),
+            "level": torch.tensor(fields["level"], dtype=torch.float32),
+            "sde": torch.tensor(fields["sde"], dtype=torch.bool),
+            "trained": torch.tensor(fields["trained"], dtype=torch.bool),
+            "stride": torch.tensor(fields["stride"], dtype=torch.long)}
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device`` without making the host wait: on CUDA through pinned memory, asynchronously
+    (a plain copy from pageable memory synchronises the host with the device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+class _DeviceIndex:
+    """Every round's index and sigma lists, copied to the device in one transfer per dtype, then sliced per round
+    (slices of a device tensor cost no synchronisation)."""
+
+    def __init__(self, lists: list[list], dtype: torch.dtype, device):
+        flat = [v for values in lists for v in values]
+        self.data = to_device(torch.tensor(flat, dtype=dtype), device)
+        self.bounds, start = [], 0
+        for values in lists:
+            self.bounds.append((start, start + len(values)))
+            start += len(values)
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        a, b = self.bounds[k]
+        return self.data[a:b]
+
+
 def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape: tuple[int, ...],
                    *, kernel: str, noise_level: float, generator: torch.Generator, log_prob_reduce: str = "mean",
                    initial_noise: torch.Tensor | None = None, roots: list[int] | None = None,
@@ -274,130 +378,107 @@ def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Te
     own number of initial noises (SuperFlow's per-prompt group sizes) instead of ``plan.roots_per_prompt``. ``store_mean`` keeps each
     edge's sampling mean in ``tree.mean`` (GRPO-Guard's ratio normalisation needs the old policy's mean).
     ``row_offset`` is this batch's first prompt row in the whole batch (what ``plan.guidance`` is given).
+
+    The tree's shape comes from the plan alone (:func:`plan_rounds`), so the host never waits for the device
+    between rounds: the index lists reach the device in one copy, noise drawn on the host is copied asynchronously,
+    and the edges' log-probs and stds come back in one copy after the last round.
     """
-    t_steps = plan.num_steps
+    device = torch.device(device)
     sigmas = sigmas.float().cpu()
-    sigma_at_one = float(sigmas[1])
+    grid = sigmas.tolist()  # the host's copy of the (T + 1,) grid, read once
+    sigma_at_one = grid[1]
     roots = roots or [plan.roots_per_prompt] * num_prompts
+    first, works = plan_rounds(plan, roots, noise_level)
     n0 = sum(roots)
     if initial_noise is None:
         initial_noise = _randn((n0, *latent_shape), generator)
-    zeros, no = torch.zeros(n0), torch.zeros(n0, dtype=torch.bool)
-    x0 = initial_noise.float().to(device)
-    tree = Tree(sigmas, [Round(x0, torch.zeros(n0, dtype=torch.long),
-                               torch.arange(num_prompts).repeat_interleave(torch.tensor(roots)), torch.arange(n0),
-                               torch.full((n0,), -1), torch.full((n0,), -1), zeros, zeros, zeros, no, no,
-                               torch.zeros(n0, dtype=torch.long), x0 if store_mean else None)], plan)
+    x0 = to_device(initial_noise.float(), device)
+    fields = _round_fields(first)
+    zeros = torch.zeros(n0)
+    tree = Tree(sigmas, [Round(x0, **{**fields, "log_prob": zeros, "std": zeros},
+                               mean=x0 if store_mean else None)], plan)
+    # per round on the device: which nodes go through the transformer, their sigmas and prompt rows, and the
+    # parents of each kind of child as positions in the round (their latents) and among its live nodes (velocities)
+    longs, floats = [], []
+    for r, work in enumerate(works):
+        here = first if r == 0 else works[r - 1].children
+        among_live = {k: n for n, k in enumerate(work.live)}
+        longs += [work.live, [here["group"][k] for k in work.live], work.branch, [among_live[k] for k in work.branch],
+                  work.side, [among_live[k] for k in work.side], work.completion,
+                  [among_live[k] for k in work.completion]]
+        floats += [[grid[here["index"][k]] for k in work.live], [grid[i] for i in work.completion_from],
+                   [grid[i] for i in work.completion_to]]
+    longs, floats = _DeviceIndex(longs, torch.long, device), _DeviceIndex(floats, torch.float32, device)
+    kopts = kernel_options or {}
 
     def sde_step(x, v, s, s_next, level, noise):
         out = kernel_step(kernel, x, v, s, s_next, noise_level=level, sigma_at_one=sigma_at_one, noise=noise,
-                          reduce=log_prob_reduce, **(kernel_options or {}))
+                          reduce=log_prob_reduce, **kopts)
         std = out.std.reshape(out.std.shape[0], -1)[:, 0].expand(x.shape[0]).float()
         return out.sample, out.log_prob.float(), std, out.mean  # on the device: copied once after the last round
 
-    r = 0
-    while True:
-        cur = tree.rounds[r]
-        x, idx, lineage = cur.latents, cur.index, cur.lineage
-        live = torch.nonzero(idx < t_steps).flatten()
-        if live.numel() == 0:
-            break
-        sig = sigmas[idx[live]]
-        v_live = yield x[live.to(device)], sig.to(device), cur.group[live].to(device)
-        tree.nfe += live.numel()
-        v = torch.zeros_like(x)
-        v[live.to(device)] = v_live
-        parts: list[_Edges] = []  # this round's new nodes: main-line children, side jumps, completions
-        process = None  # the guidance's process rewards of this round's main-line children (first in parts)
-        main = live[lineage[live] < 0]
-        if main.numel():
-            i = int(idx[main[0]])  # the main line advances one index per round
+    process_rewards = []
+    for r, work in enumerate(works):
+        x = tree.rounds[r].latents
+        live_d, rows_d, branch_d, branch_v, side_d, side_v, comp_d, comp_v = (longs[8 * r + k] for k in range(8))
+        sig_live, c_from, c_to = (floats[3 * r + k] for k in range(3))
+        v_live = yield (x if len(work.live) == x.shape[0] else x[live_d]), sig_live, rows_d
+        tree.nfe += len(work.live)
+        latents, log_probs, stds, means = [], [], [], []
+        process = None  # the guidance's process rewards of this round's main-line children (first in the round)
+        if work.branch or work.side:
+            i = work.main_index
             spec = plan.steps[i]
-            s, s_next = float(sigmas[i]), float(sigmas[i + 1])
+            s, s_next = grid[i], grid[i + 1]
             level = noise_level if spec.noise_level is None else spec.noise_level
-            if spec.branch:
-                par = main.repeat_interleave(spec.branch)
-                xp, vp = x[par.to(device)], v[par.to(device)]
-                n = par.numel()
-                if spec.sde:
-                    noise = sibling_noise(tuple(xp.shape), spec.branch, spec.sibling_noise, spec.sibling_strength, generator)
-                    xs, lp, sd, mean = sde_step(xp, vp, s, s_next, level, noise.to(device))
-                    if spec.guided and plan.guidance is not None:  # the sample moves; its log-prob is the unguided one's
-                        shift, process = plan.guidance(xp, vp, s, s_next, cur.group[par] + row_offset)
-                        xs = xs + shift
-                        lp = kernel_step(kernel, xp, vp, s, s_next, noise_level=level, sigma_at_one=sigma_at_one,
-                                         prev_sample=xs, reduce=log_prob_reduce,
-                                         **(kernel_options or {})).log_prob.float()
-                else:
-                    xs = kernel_step("ode", xp, vp, s, s_next, noise_level=0.0).sample
-                    lp = sd = torch.zeros(n, device=device)
-                    mean = xs
-                parts.append(_Edges(par, xs, torch.full((n,), i + 1), torch.full((n,), -1), lp, sd,
-                                    torch.full((n,), level), torch.full((n,), spec.sde), torch.full((n,), spec.trained),
-                                    torch.zeros(n), mean))
-            if spec.side:
-                par = main.repeat_interleave(spec.side)
-                xp, vp = x[par.to(device)], v[par.to(device)]
-                n, target = par.numel(), i + spec.side_merge
-                noise = _randn(tuple(xp.shape), generator).to(device)
-                xs, lp, sd, mean = sde_step(xp, vp, s, float(sigmas[target]), level, noise)
-                parts.append(_Edges(par, xs, torch.full((n,), target), torch.full((n,), i), lp, sd,
-                                    torch.full((n,), level), torch.ones(n, dtype=torch.bool),
-                                    torch.ones(n, dtype=torch.bool), torch.zeros(n), mean))
-        comp = live[lineage[live] >= 0]
-        if comp.numel():  # side branches are completed deterministically, `stride` indices per ODE step
-            stride = cur.stride[comp]
-            fresh = comp[stride == 0]  # side children that just jumped: one completion chain per granularity
-            grans = [plan.steps[int(i)].side_granularities for i in lineage[fresh].tolist()]
-            par = torch.cat([comp[stride > 0]] + [c.repeat(len(g)) for c, g in zip(fresh, grans)])
-            step_len = torch.cat([stride[stride > 0]] + [torch.tensor(g) for g in grans]).long()
-            ci = idx[par]
-            cn = torch.minimum(ci + step_len, torch.tensor(t_steps))
-            xs = kernel_step("ode", x[par.to(device)], v[par.to(device)], sigmas[ci], sigmas[cn], noise_level=0.0).sample
-            n = par.numel()
+        if work.branch:
+            xp, vp = x[branch_d], v_live[branch_v]
+            n = len(work.branch)
+            if spec.sde:
+                noise = sibling_noise(tuple(xp.shape), spec.branch, spec.sibling_noise, spec.sibling_strength, generator)
+                xs, lp, sd, mean = sde_step(xp, vp, s, s_next, level, to_device(noise, device))
+                if spec.guided and plan.guidance is not None:  # the sample moves; its log-prob is the unguided one's
+                    rows = torch.tensor([work.children["group"][k] + row_offset for k in range(n)])
+                    shift, process = plan.guidance(xp, vp, s, s_next, rows)
+                    xs = xs + shift
+                    lp = kernel_step(kernel, xp, vp, s, s_next, noise_level=level, sigma_at_one=sigma_at_one,
+                                     prev_sample=xs, reduce=log_prob_reduce, **kopts).log_prob.float()
+            else:
+                xs = kernel_step("ode", xp, vp, s, s_next, noise_level=0.0).sample
+                lp = sd = torch.zeros(n, device=device)
+                mean = xs
+            latents.append(xs), log_probs.append(lp), stds.append(sd), means.append(mean)
+        if work.side:
+            xp, vp = x[side_d], v_live[side_v]
+            noise = to_device(_randn(tuple(xp.shape), generator), device)
+            xs, lp, sd, mean = sde_step(xp, vp, s, grid[i + spec.side_merge], level, noise)
+            latents.append(xs), log_probs.append(lp), stds.append(sd), means.append(mean)
+        if work.completion:
+            n = len(work.completion)
+            xs = kernel_step("ode", x[comp_d], v_live[comp_v], c_from, c_to, noise_level=0.0).sample
             zeros_dev = torch.zeros(n, device=device)
-            parts.append(_Edges(par, xs, cn, lineage[par], zeros_dev, zeros_dev, torch.zeros(n),
-                                torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool), step_len, xs))
-        tree.rounds.append(_Edges.join(parts, cur, store_mean))
+            latents.append(xs), log_probs.append(zeros_dev), stds.append(zeros_dev), means.append(xs)
+        nxt = Round(torch.cat(latents), **_round_fields(work.children), log_prob=torch.cat(log_probs),
+                    std=torch.cat(stds), mean=torch.cat(means) if store_mean else None)
+        tree.rounds.append(nxt)
         if plan.guidance is not None:
-            pr = torch.zeros(tree.rounds[-1].size)
+            pr = torch.zeros(nxt.size, device=device)
             if process is not None:
-                pr[: len(process)] = process.detach().float().cpu()
-            tree.rounds[-1].process_reward = pr
-        r += 1
-    # one device-to-host copy of the edges' log-probs and stds, not one synchronisation per round
-    for rnd in tree.rounds:
-        rnd.log_prob, rnd.std = rnd.log_prob.float().cpu(), rnd.std.float().cpu()
+                pr[: len(process)] = to_device(process.detach().float(), device)
+            process_rewards.append(pr)
+    # one device-to-host copy of every edge's log-prob and std (and process reward), not one per round
+    sizes = [rnd.size for rnd in tree.rounds]
+    none = [torch.zeros(sizes[0], device=device)]  # the roots have no edge into them
+    packed = torch.cat(none + [rnd.log_prob for rnd in tree.rounds[1:]] + none + [rnd.std for rnd in tree.rounds[1:]]
+                       + (none + process_rewards if plan.guidance is not None else [])).cpu()
+    total = sum(sizes)
+    log_prob, std = packed[:total].split(sizes), packed[total: 2 * total].split(sizes)
+    for rnd, lp, sd in zip(tree.rounds, log_prob, std):
+        rnd.log_prob, rnd.std = lp, sd
+    if plan.guidance is not None:  # round 0 (the roots) has no edge, so no process reward
+        for rnd, pr in zip(tree.rounds[1:], packed[2 * total + sizes[0]:].split(sizes[1:])):
+            rnd.process_reward = pr
     return tree
-
-
-@dataclass
-class _Edges:
-    """Nodes of the next round made one way (main-line children, side jumps or completions), before they are
-    joined into a :class:`Round`; tensors of length n on the CPU or the device."""
-
-    parent: torch.Tensor  # (n,) positions in the current round
-    latents: torch.Tensor  # (n, *latent)
-    index: torch.Tensor
-    lineage: torch.Tensor
-    log_prob: torch.Tensor
-    std: torch.Tensor
-    level: torch.Tensor
-    sde: torch.Tensor
-    trained: torch.Tensor
-    stride: torch.Tensor
-    mean: torch.Tensor  # (n, *latent)
-
-    @staticmethod
-    def join(parts: list["_Edges"], previous: Round, store_mean: bool) -> Round:
-        par = torch.cat([p.parent for p in parts])
-
-        def cat(name):
-            return torch.cat([getattr(p, name) for p in parts])
-
-        return Round(cat("latents"), cat("index").long(), previous.group[par], previous.root[par],
-                     cat("lineage").long(), par, cat("log_prob"), cat("std"), cat("level").float(), cat("sde"),
-                     cat("trained"), cat("stride").long(), cat("mean") if store_mean else None)
 
 
 @torch.no_grad()

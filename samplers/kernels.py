@@ -34,6 +34,8 @@ class StepOutput:
 
 def _as_batch(value, x: torch.Tensor) -> torch.Tensor:
     """A scalar or (B,) tensor reshaped to (B, 1, 1, ...) in fp32 on x's device."""
+    if isinstance(value, (int, float)):  # filled on the device: a scalar copied from the host would synchronise it
+        return torch.full((x.shape[0],) + (1,) * (x.ndim - 1), float(value), dtype=torch.float32, device=x.device)
     t = torch.as_tensor(value, dtype=torch.float32, device=x.device)
     if t.ndim == 0:
         t = t.expand(x.shape[0])
@@ -131,6 +133,8 @@ def denominator_sigma(sigma: torch.Tensor, sigma_at_one) -> torch.Tensor:
     """sigma_r of Flow-GRPO's g = a sqrt(sigma / (1 - sigma_r)): sigma, or ``sigma_at_one`` where sigma == 1."""
     if sigma_at_one is None:
         return sigma
+    if isinstance(sigma_at_one, (int, float)):  # a Python number enters the kernel as an argument, not a copy
+        return torch.where(sigma >= 1.0, float(sigma_at_one), sigma)
     return torch.where(sigma >= 1.0, torch.as_tensor(sigma_at_one, dtype=sigma.dtype, device=sigma.device), sigma)
 
 
