@@ -18,6 +18,7 @@ from typing import Any, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator
 
+from .attention import ATTENTION_BACKENDS
 from .errors import ConfigError
 
 
@@ -273,8 +274,8 @@ class TrainConfig(Section):
                            "(equals the eager path; for per-edge algorithms)")
     compile_transformer: bool = opt(False, "torch.compile the transformer's repeated blocks")
     gradient_checkpointing: bool = opt(False, "recompute block activations in the backward (memory for time)")
-    attention_backend: str = opt("native", "diffusers attention backend: native (PyTorch SDPA), xformers (the "
-                                 "xformers extra), flash (flash-attn)", choices=["native", "xformers", "flash"])
+    attention_backend: str = opt("native", "attention kernels of the rollout and the update: " + "; ".join(
+        f"{name}: {what}" for name, what in ATTENTION_BACKENDS.items()), choices=list(ATTENTION_BACKENDS))
     log_prob_reduce: str = opt("mean", "mean over latent elements (Flow-GRPO's and DanceGRPO's convention) or sum",
                                choices=["mean", "sum"])
     lora: LoraConfig = Field(default_factory=LoraConfig)

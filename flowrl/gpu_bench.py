@@ -211,7 +211,16 @@ def rollout_time(model: BenchModel, px: int, prompts: int, tiny: bool, tree: boo
 
 def run_gpu_bench(families=("sd35m", "flux1"), resolutions=(512, 1024), batch: int = 4, prompts: int = 2,
                   peak_tflops: float = 989.0, tiny: bool = False, device: str | None = None, emit=print,
-                  compiled: bool = True) -> list[dict]:
+                  compiled: bool = True, attention_backend: str = "native") -> list[dict]:
+    """Every case of every family, each row passed to ``emit`` as soon as it is measured; the attention kernels
+    those of ``train.attention_backend`` (:mod:`flowrl.attention`)."""
+    from .attention import attention_kernels
+
+    with attention_kernels(attention_backend):
+        return _run_gpu_bench(families, resolutions, batch, prompts, peak_tflops, tiny, device, emit, compiled)
+
+
+def _run_gpu_bench(families, resolutions, batch, prompts, peak_tflops, tiny, device, emit, compiled) -> list[dict]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if tiny:
         resolutions = tuple(min(r, 64) for r in resolutions)

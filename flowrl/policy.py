@@ -35,8 +35,10 @@ def configure_update_path(transformer, t) -> None:
     """Gradient checkpointing, the attention backend and compiled blocks, as ``train`` asks."""
     if t.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    if t.attention_backend != "native":
-        transformer.set_attention_backend(t.attention_backend)
+    from .attention import DIFFUSERS_BACKENDS
+
+    if t.attention_backend in DIFFUSERS_BACKENDS:  # the SDPA choices apply per phase (flowrl.attention)
+        transformer.set_attention_backend(DIFFUSERS_BACKENDS[t.attention_backend])
     if t.compile_transformer:
         if getattr(transformer, "_repeated_blocks", None):
             transformer.compile_repeated_blocks(dynamic=True)

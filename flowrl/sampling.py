@@ -80,7 +80,11 @@ class Sampler:
         self.negative = adapter.encode_prompts([cfg.sampler.negative_prompt]) if self.guidance_scale > 1 else None
         self.latent_shape = adapter.latent_shape(cfg.model.resolution)
         self.max_batch = cfg.sampler.max_batch
+        self.attention_backend = cfg.train.attention_backend
 
     def __call__(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
-        return sample_images(self.adapter, prompts, seeds, self.sigmas, self.latent_shape, self.guidance_scale,
-                             self.negative, self.max_batch)
+        from .attention import attention_kernels
+
+        with attention_kernels(self.attention_backend):
+            return sample_images(self.adapter, prompts, seeds, self.sigmas, self.latent_shape,
+                                 self.guidance_scale, self.negative, self.max_batch)

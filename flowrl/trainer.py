@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from . import report
 from .algorithms import AlgorithmContext, make_algorithm
+from .attention import attention_kernels
 from .callbacks import HeldOutMonitor, MetricsWriter, RewardCurvePlot, TrackerLog
 from .checkpoint import find_checkpoint, find_resume_checkpoint, load_run_state, save_checkpoint
 from .config import Config
@@ -181,7 +182,8 @@ class Trainer:
         bar = tqdm(range(self.start_iteration, cfg.train.iterations), desc="train",
                    disable=not (cfg.log.progress and self.procs.is_main),
                    initial=self.start_iteration, total=cfg.train.iterations)
-        with self.runner, self._sigterm_stops_after_the_iteration():  # the reward worker ends with training
+        # the reward worker ends with training; the attention kernels hold for every rollout, update and sample
+        with self.runner, self._sigterm_stops_after_the_iteration(), attention_kernels(cfg.train.attention_backend):
             if self.start_iteration == 0:
                 self.sample_grid(0)
             for callback in self.callbacks:
@@ -204,8 +206,9 @@ class Trainer:
                                   f"resume=latest log.run_name={self.run_dir.name} log.output_dir={self.run_dir.parent}")
                 if last:
                     break
-        for callback in self.callbacks:
-            callback.on_train_end(self)
+        with attention_kernels(cfg.train.attention_backend):
+            for callback in self.callbacks:
+                callback.on_train_end(self)
         return self.run_dir
 
     def iteration(self, it: int) -> dict:
