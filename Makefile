@@ -31,11 +31,11 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/flowrl bench configs/tiny_flow_grpo.yaml
 
-# on a CUDA machine: SD3.5-M and FLUX.1 layouts, update step and rollouts at 512 / 1024 px (not yet run on a GPU)
+# on a CUDA machine: SD3.5-M and FLUX.1 layouts, update step and rollouts at 512 / 1024 px, with FLOPs and MFU
 bench-gpu: $(STAMP)
 	$(VENV)/bin/flowrl bench-gpu --out bench_gpu.json
 
-# the one prepared check for a lent GPU (about 8 minutes on an H200); `make gpu-check GPU_CHECK_ARGS=--tiny` on a CPU
+# the one prepared check for a lent GPU (sized for 7 minutes on one H100 80 GB); `make gpu-check GPU_CHECK_ARGS=--tiny` on a CPU
 GPU_CHECK_ARGS ?=
 gpu-check: $(STAMP)
 	$(VENV)/bin/flowrl gpu-check --out gpu_check_$$(date +%Y%m%d_%H%M%S) $(GPU_CHECK_ARGS)

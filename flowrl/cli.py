@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .cli_types import Parser, positive_int
+from .cli_types import Parser, batch_size, positive_int, power_of_two
 from .registry import COMMANDS, resolve
 from .errors import FlowRLError
 
@@ -239,7 +239,8 @@ def cmd_bench_gpu(args) -> int:
     if not args.tiny and not torch_cuda_available():
         raise FlowRLError("bench-gpu: no CUDA device here; run it on a GPU machine, or add --tiny for the CPU check")
     rows = run_gpu_bench(tuple(args.families), tuple(args.resolutions), args.batch, args.prompts, args.peak_tflops,
-                         tiny=args.tiny)
+                         tiny=args.tiny, steps=args.steps, chains=args.chains,
+                         attention_backend=args.attention_backend)
     if args.out:
         from .report import atomic_write_bytes
 
@@ -590,8 +591,14 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--families", nargs="+", default=["sd35m", "flux1"], choices=["sd35m", "flux1", "flux2k", "qwen", "wan13", "wan14"],
                     help="architectures to build (SD3.5-M, FLUX.1-dev, FLUX.2 [klein] 4B, Qwen-Image, Wan 2.1 1.3B / 14B)")
     bg.add_argument("--resolutions", nargs="+", type=positive_int, default=[512, 1024], help="image sides in pixels")
-    bg.add_argument("--batch", type=positive_int, default=4, help="edges per update step")
-    bg.add_argument("--prompts", type=positive_int, default=2, help="prompts per rollout (16 leaves each)")
+    bg.add_argument("--batch", type=batch_size, default=4, help="edges per update step, or auto: the micro-batch "
+                    "train.micro_batch=auto picks for the family's preset on this device")
+    bg.add_argument("--prompts", type=positive_int, default=2, help="prompts per rollout")
+    bg.add_argument("--steps", type=positive_int, default=20, help="denoising steps per rollout")
+    bg.add_argument("--chains", type=power_of_two, default=16, help="leaves per prompt: flat chains, or the tree's "
+                    "leaves (branch 2 at steps 0, 3, 6, ...)")
+    bg.add_argument("--attention-backend", default="native", choices=["native", "native_cudnn"],
+                    help="the SDPA kernels (train.attention_backend)")
     bg.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense bf16 peak (H100/H200 SXM: 989)")
     bg.add_argument("--tiny", action="store_true", help="shrunken models at 64 px: the same code path on a CPU")
     bg.add_argument("--out", help="also write the rows to this JSON file")

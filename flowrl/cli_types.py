@@ -15,6 +15,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def batch_size(text: str) -> int | str:
+    """A positive whole number, or ``auto``."""
+    return "auto" if text == "auto" else positive_int(text)
+
+
+def power_of_two(text: str) -> int:
+    value = positive_int(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"{value} is not a power of 2 (1, 2, 4, 8, 16, ...)")
+    return value
+
+
 def unit_interval(text: str) -> float:
     try:
         value = float(text)

@@ -14,6 +14,7 @@ SXM: 989). ``--tiny`` shrinks every model so that the same code runs on a CPU (t
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -166,6 +167,7 @@ def update_step(model: BenchModel, px: int, batch: int, tiny: bool, *, fused_ada
         one()
     synchronize(dev)
     seconds = (time.perf_counter() - t0) / repeats
+    del opt
     return {"seconds": seconds, "flops": flops, "images_per_s": batch / seconds, "peak_memory_mb": peak_memory_mb(dev)}
 
 
@@ -177,31 +179,51 @@ def _count_flops(fn) -> int:
     return counter.get_total_flops()
 
 
-def rollout_time(model: BenchModel, px: int, prompts: int, tiny: bool, tree: bool, steps: int = 20) -> dict:
-    """A flat rollout (16 chains per prompt) or a BranchGRPO tree (branch 2 at steps 0, 3, 6, 9: 16 leaves per
-    prompt) through the engine, bf16 autocast, noise drawn on the device."""
-    from .engine import rollout
+def forward_flops_per_row(model: BenchModel, px: int, tiny: bool) -> int:
+    """The FLOPs of one transformer call on one latent (a call's count is linear in its rows: every row has the
+    same tokens), counted by PyTorch's FLOP counter."""
+    x = torch.zeros(1, *model.latent_shape(px), device=model.device)
+    with torch.no_grad():
+        return _count_flops(lambda: model.velocity(x, torch.full((1,), 0.5, device=model.device), _cond(model, 1, tiny)))
+
+
+def rollout_plan(tree: bool, steps: int, chains: int):
+    """A flat rollout (``chains`` independent chains per prompt) or a BranchGRPO tree with as many leaves (branch 2
+    at every third step from the first, as many times as doubling reaches ``chains``; ``chains`` a power of 2)."""
     from .samplers.plans import RolloutPlan, StepSpec
 
-    if tree:
-        plan = RolloutPlan([StepSpec(branch=2 if i in (0, 3, 6, 9) else 1, trained=True,
-                                     sibling_noise="correlated") for i in range(steps)])
-    else:
-        plan = RolloutPlan([StepSpec(trained=True) for _ in range(steps)], roots_per_prompt=16)
-    sigmas = torch.linspace(1, 0, steps + 1)
+    if not tree:
+        return RolloutPlan([StepSpec(trained=True) for _ in range(steps)], roots_per_prompt=chains)
+    splits = {3 * k for k in range(max(chains.bit_length() - 1, 0))}
+    if max(splits, default=0) >= steps:
+        raise ValueError(f"a tree of {chains} leaves branches at steps {sorted(splits)}: give more than "
+                         f"{max(splits)} steps")
+    return RolloutPlan([StepSpec(branch=2 if i in splits else 1, trained=True, sibling_noise="correlated")
+                        for i in range(steps)])
+
+
+def rollout_time(model: BenchModel, px: int, prompts: int, tiny: bool, tree: bool, steps: int = 20,
+                 chains: int = 16) -> dict:
+    """A flat rollout or a BranchGRPO tree (:func:`rollout_plan`) through the engine, bf16 autocast, noise drawn
+    on the device, timed after a two-step warm-up of the same plan kind."""
+    from .engine import rollout
+
     cond = _cond(model, prompts, tiny)
     dev = model.device
     gen = torch.Generator(dev).manual_seed(0)
 
-    def one():
+    def one(n_steps):
+        plan = rollout_plan(tree and n_steps == steps, n_steps, chains)
         with torch.no_grad():
-            return rollout(model, cond, plan, sigmas, model.latent_shape(px), kernel="dance", noise_level=0.3,
-                           generator=gen, max_batch=64)
+            return rollout(model, cond, plan, torch.linspace(1, 0, n_steps + 1), model.latent_shape(px),
+                           kernel="dance", noise_level=0.3, generator=gen, max_batch=64)
 
-    one()
+    one(2)  # warm-up: kernels, allocator, cuBLAS handles
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     synchronize(dev)
     t0 = time.perf_counter()
-    t = one()
+    t = one(steps)
     synchronize(dev)
     seconds = time.perf_counter() - t0
     leaves = int(t.leaf_group.numel())
@@ -209,49 +231,104 @@ def rollout_time(model: BenchModel, px: int, prompts: int, tiny: bool, tree: boo
             "images_per_s": leaves / seconds, "peak_memory_mb": peak_memory_mb(dev)}
 
 
-def run_gpu_bench(families=("sd35m", "flux1"), resolutions=(512, 1024), batch: int = 4, prompts: int = 2,
+# the shipped preset whose memory model sizes each family's micro-batch (train.micro_batch=auto)
+PRESETS = {"sd35m": "sd35m_flow_grpo.yaml", "flux1": "flux1_dev_flow_grpo.yaml", "flux2k": "flux2_klein_flow_grpo.yaml",
+           "qwen": "qwen_image_flow_grpo.yaml", "wan13": "wan21_1.3b_flow_grpo.yaml", "wan14": "wan21_14b_flow_grpo.yaml"}
+
+
+H100_BYTES = 79 * 2 ** 30  # what an 80 GB H100 reports: the card --tiny sizes its micro-batches for
+
+
+@functools.lru_cache(maxsize=None)
+def auto_batch(family: str, px: int, device: torch.device, checkpointing: bool, most: int,
+               capacity: int | None = None) -> tuple[int, dict]:
+    """The update's micro-batch that ``train.micro_batch=auto`` chooses for the family's preset at ``px`` (bf16, no
+    CFG in the update, the bench's LoRA targets) on ``device`` (or a card of ``capacity`` bytes), at most ``most``:
+    (batch, the estimate's numbers)."""
+    from .config import load_config
+    from .memory import auto_micro_batch
+
+    overrides = [f"model.resolution={px}", "train.micro_batch=auto", "train.mixed_precision=bf16",
+                 "sampler.guidance_scale=1.0", f"train.gradient_checkpointing={str(checkpointing).lower()}",
+                 "train.kl_beta=0", "train.ema.enabled=false",
+                 "train.lora.targets=[" + ",".join(LORA_TARGETS[family]) + "]", "train.lora.rank=32"]
+    if family in ("wan13", "wan14"):
+        overrides.append(f"model.num_frames={WAN_FRAMES}")
+    cfg = load_config(PRESETS[family], overrides)  # the shipped preset, found from any folder
+    chosen, why = auto_micro_batch(cfg, device, 1, capacity=capacity)
+    return min(chosen, most), why
+
+
+def run_gpu_bench(families=("sd35m", "flux1"), resolutions=(512, 1024), batch: int | str = 4, prompts: int = 2,
                   peak_tflops: float = 989.0, tiny: bool = False, device: str | None = None, emit=print,
-                  compiled: bool = True, attention_backend: str = "native") -> list[dict]:
-    """Every case of every family, each row passed to ``emit`` as soon as it is measured; the attention kernels
-    those of ``train.attention_backend`` (:mod:`flowrl.attention`)."""
+                  compiled: bool = True, attention_backend: str = "native", steps: int = 20, chains: int = 16,
+                  cases: tuple[str, ...] = ("update", "update unfused-adamw", "update checkpointing"),
+                  most_batch: int = 32) -> list[dict]:
+    """Every case of every family, each row passed to ``emit`` (as one JSON line) as soon as it is measured; the
+    attention kernels those of ``train.attention_backend`` (:mod:`flowrl.attention`). ``resolutions`` per family: a
+    tuple, or a dict family -> tuple; ``steps`` and ``chains`` likewise (dicts keyed by (family, px)).
+    ``batch="auto"``: each update case at the micro-batch ``train.micro_batch=auto`` picks (at most ``most_batch``)."""
     from .attention import attention_kernels
 
     with attention_kernels(attention_backend):
-        return _run_gpu_bench(families, resolutions, batch, prompts, peak_tflops, tiny, device, emit, compiled)
+        return _run_gpu_bench(families, resolutions, batch, prompts, peak_tflops, tiny, device, emit, compiled,
+                              steps, chains, cases, most_batch)
 
 
-def _run_gpu_bench(families, resolutions, batch, prompts, peak_tflops, tiny, device, emit, compiled) -> list[dict]:
+def _per(value, *key):
+    if isinstance(value, dict):
+        return value[key if len(key) > 1 else key[0]]
+    return value
+
+
+UPDATE_CASES = {"update": (True, False), "update unfused-adamw": (False, False), "update checkpointing": (True, True)}
+
+
+def _run_gpu_bench(families, resolutions, batch, prompts, peak_tflops, tiny, device, emit, compiled, steps, chains,
+                   cases, most_batch) -> list[dict]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if tiny:
-        resolutions = tuple(min(r, 64) for r in resolutions)
     rows = []
 
     def emit_row(row):
         rows.append(row)
         emit(json.dumps(row))
 
-    cases = (("update", True, False), ("update unfused-adamw", False, False), ("update checkpointing", True, True))
     for family in families:
+        sizes = _per(resolutions, family)
+        if tiny:
+            sizes = tuple(min(r, 64) for r in sizes)
         model = build(family, dev, tiny)
         model_flops = {}  # per resolution: the plain step's count (recomputation under checkpointing not credited)
-        for px in resolutions:
-            for name, fused, ckpt in cases:
-                r = update_step(model, px, batch, tiny, fused_adamw=fused, checkpointing=ckpt)
-                model_flops.setdefault(px, r["flops"])
-                emit_row(_update_row(family, px, name, batch, r, model_flops[px], peak_tflops))
+        for px in sizes:
+            for name in cases:
+                fused, ckpt = UPDATE_CASES[name]
+                n, why = (auto_batch(family, px, dev, ckpt, most_batch, H100_BYTES if tiny else None)
+                          if batch == "auto" else (batch, None))
+                r = update_step(model, px, n, tiny, fused_adamw=fused, checkpointing=ckpt)
+                model_flops.setdefault((px, n), r["flops"] or model_flops.get((px, n), 0))
+                row = _update_row(family, px, name, n, r, r["flops"], peak_tflops)
+                if why is not None:  # the memory model's prediction for this micro-batch, beside the measured peak
+                    row["estimate_mb"] = round((why["state_gib"] + n * why["activations_per_input_gib"]) * 1024, 1)
+                emit_row(row)
+            per_row = forward_flops_per_row(model, px, tiny)
             for tree in (False, True):
-                r = rollout_time(model, px, prompts, tiny, tree)
+                r = rollout_time(model, px, prompts, tiny, tree, _per(steps, family, px), _per(chains, family, px))
+                tflops = per_row * r["nfe"] / r["seconds"] / 1e12
                 emit_row({"family": family, "px": px, "case": "rollout tree" if tree else "rollout flat",
                           "seconds": round(r["seconds"], 4), "images_per_s": round(r["images_per_s"], 2),
                           "nfe": r["nfe"], "transformer_calls": r["transformer_calls"], "leaves": r["leaves"],
-                          "peak_memory_mb": round(r["peak_memory_mb"], 1)})
+                          "gflop_per_nfe": round(per_row / 1e9, 4), "achieved_tflops": round(tflops, 3),
+                          "mfu": round(tflops / peak_tflops, 4), "peak_memory_mb": round(r["peak_memory_mb"], 1)})
         from .policy import configure_update_path
 
         if compiled:
             configure_update_path(model.transformer, _Opts(compile_transformer=True))  # last: compiled blocks stay so
-        for px in resolutions if compiled else ():
-            r = update_step(model, px, batch, tiny, fused_adamw=True, checkpointing=False, count_flops=False)
-            emit_row(_update_row(family, px, "update compiled", batch, r, model_flops[px], peak_tflops))
+        for px in sizes if compiled else ():
+            n = batch if batch != "auto" else auto_batch(family, px, dev, False, most_batch, H100_BYTES if tiny else None)[0]
+            r = update_step(model, px, n, tiny, fused_adamw=True, checkpointing=False, count_flops=False)
+            flops = model_flops.get((px, n)) or update_step(model, px, n, tiny, fused_adamw=True, checkpointing=False,
+                                                            repeats=0)["flops"]
+            emit_row(_update_row(family, px, "update compiled", n, r, flops, peak_tflops))
         del model
         if dev.type == "cuda":
             torch.cuda.empty_cache()

@@ -1,15 +1,22 @@
 """``flowrl gpu-check`` (``make gpu-check``): the one prepared command for a GPU machine, in stages.
 
-Each stage runs in its own process with its own time budget, so one that fails or hangs (a cuBLAS error, a
-compilation that overruns) is recorded and the next one still runs. The whole check is sized for 8 minutes on one
-H200. It writes ``gpu_check.json`` (every stage's status, seconds, rows or error) and ``gpu_check.md`` (the same
-as tables) into ``--out``. ``--tiny`` runs the same stages on a CPU with shrunken models (the test suite does).
+Each stage runs in its own process with its own time budget, so one that fails or hangs (a CUDA error, a
+compilation that overruns) is recorded and the next one still runs. A stage writes each row as soon as it is
+measured, so a stage that runs out of time still reports what it measured. The whole check is sized for 7
+minutes on one H100 80 GB (from the timings of an earlier run on one). It writes ``gpu_check.json`` (every stage's
+status, seconds, rows or error) and ``gpu_check.md`` (the same as tables) into ``--out``. ``--tiny`` runs the
+same stages on a CPU with shrunken models (the test suite does).
 
 Stages:
 - ``bench-sd35m``, ``bench-flux1``, ``bench-flux2-klein``, ``bench-qwen-image``, ``bench-wan21-1.3b``,
-  ``bench-wan21-14b``: ``flowrl bench-gpu``'s LoRA update step (fused / unfused AdamW, gradient checkpointing) and
-  flat / tree rollouts on the published architectures (random weights; SD3.5-M and FLUX.1 at 512 and 1024 px,
-  FLUX.2 [klein] 4B and Qwen-Image at 512, Wan 2.1 1.3B and 14B at 256 px x 9 frames), with measured FLOPs and MFU;
+  ``bench-wan21-14b``: ``flowrl bench-gpu`` on the published architectures with random weights. Per family and
+  resolution: the LoRA update step (r 32 on the attention projections, bf16 autocast, fused AdamW) without and
+  with gradient checkpointing, each at the micro-batch ``train.micro_batch=auto`` picks for the family's preset
+  (at most 16; ``estimate_mb`` is the memory model's prediction beside the measured peak), then a flat rollout
+  (``chains`` independent chains per prompt) and a BranchGRPO tree with as many leaves, one prompt, ``steps``
+  steps; every row with measured FLOPs, TFLOP/s and MFU (rollouts: the FLOP count of one transformer call times
+  the evaluations). SD3.5-M at 512 and 1024 px (8 chains at 1024), FLUX.1-dev, FLUX.2 [klein] 4B and Qwen-Image
+  at 512 px, Wan 2.1 1.3B and 14B at 256 px x 9 frames (8 chains for 14B);
 - ``fsdp-world1``: a short sharded run (``train.fsdp.enabled=true``) of the tiny model on the device, its peak
   memory beside ``flowrl memory``'s estimate for the same config;
 - ``gpu-tests``: the GPU-marked tests (``pytest -m gpu``);
@@ -26,27 +33,42 @@ import tempfile
 import time
 from pathlib import Path
 
-STAGES = {  # name -> seconds allowed on the GPU (the tiny CPU check shares them); 8 minutes in all
-    "bench-sd35m": 75,
-    "bench-flux1": 75,
-    "bench-flux2-klein": 55,
-    "bench-qwen-image": 70,
-    "bench-wan21-1.3b": 50,
-    "bench-wan21-14b": 55,
-    "fsdp-world1": 40,
-    "gpu-tests": 30,
-    "tiny-main-job": 30,
+STAGES = {  # name -> seconds allowed on one H100 (the tiny CPU check gets four times as long); 7 minutes in all
+    "bench-sd35m": 70,
+    "bench-flux1": 60,
+    "bench-flux2-klein": 40,
+    "bench-qwen-image": 55,
+    "bench-wan21-1.3b": 30,
+    "bench-wan21-14b": 50,
+    "fsdp-world1": 35,
+    "gpu-tests": 40,
+    "tiny-main-job": 35,
 }
-# per benchmark stage: the family's layout, its resolutions and the prompts of its rollouts (16 chains each)
-# Wan 2.1 14B at 256 px x 9 frames: its frames reduced so that one GPU holds the update and the 16-chain rollout
-BENCH = {"bench-sd35m": ("sd35m", (512, 1024), 2), "bench-flux1": ("flux1", (512, 1024), 2),
-         "bench-flux2-klein": ("flux2k", (512,), 1), "bench-qwen-image": ("qwen", (512,), 1),
-         "bench-wan21-1.3b": ("wan13", (256,), 1), "bench-wan21-14b": ("wan14", (256,), 1)}
+# per benchmark stage: the family, and per resolution (rollout steps, chains per prompt)
+BENCH = {"bench-sd35m": ("sd35m", {512: (10, 16), 1024: (10, 8)}),
+         "bench-flux1": ("flux1", {512: (10, 16)}),
+         "bench-flux2-klein": ("flux2k", {512: (10, 16)}),
+         "bench-qwen-image": ("qwen", {512: (10, 16)}),
+         "bench-wan21-1.3b": ("wan13", {256: (10, 16)}),
+         "bench-wan21-14b": ("wan14", {256: (10, 8)})}
+ROWS = "rows.jsonl"  # a stage's rows, one JSON object per line, appended as each is measured
 
 
 def _stage_command(name: str, tiny: bool, out: Path) -> list[str]:
     return [sys.executable, "-m", "flowrl", "gpu-check", "--stage", name, "--stage-out", str(out)] + \
         (["--tiny"] if tiny else [])
+
+
+def _rows(folder: Path) -> list[dict]:
+    """The rows a stage wrote before it ended (a line cut short by a kill is dropped)."""
+    path = folder / ROWS
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows
 
 
 def run_check(out_dir: Path, tiny: bool, stages: list[str] | None = None, emit=print) -> dict:
@@ -70,10 +92,14 @@ def run_check(out_dir: Path, tiny: bool, stages: list[str] | None = None, emit=p
                     result = {"status": "failed", "returncode": done.returncode, "error": "\n".join(tail)}
             except subprocess.TimeoutExpired:
                 seconds, result = time.perf_counter() - start, {"status": "timeout", "error": f"over {budget} s"}
+            rows = _rows(Path(tmp))
+            if rows and not result.get("rows"):  # what a stage measured before it failed or ran out of time
+                result["rows"] = rows
         result["seconds"] = round(seconds, 1)
         result["budget_s"] = budget
         results[name] = result
-        emit(f"gpu-check: {name}: {result['status']} in {result['seconds']} s")
+        kept = f", {len(result['rows'])} rows kept" if result["status"] != "ok" and result.get("rows") else ""
+        emit(f"gpu-check: {name}: {result['status']} in {result['seconds']} s{kept}")
     report = {"tiny": tiny, "device": _device_name(tiny), "stages": results}
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1))
     (out_dir / "gpu_check.md").write_text(markdown(report))
@@ -88,9 +114,9 @@ def _device_name(tiny: bool) -> str:
 
 def markdown(report: dict) -> str:
     lines = [f"# flowrl gpu-check on {report['device']}{' (--tiny)' if report['tiny'] else ''}", "",
-             "| stage | status | seconds | budget |", "|---|---|---|---|"]
+             "| stage | status | seconds | budget | rows |", "|---|---|---|---|---|"]
     for name, r in report["stages"].items():
-        lines.append(f"| {name} | {r['status']} | {r['seconds']} | {r['budget_s']} |")
+        lines.append(f"| {name} | {r['status']} | {r['seconds']} | {r['budget_s']} | {len(r.get('rows') or [])} |")
     for name, r in report["stages"].items():
         rows = r.get("rows")
         if rows:
@@ -104,19 +130,30 @@ def markdown(report: dict) -> str:
 
 # ------------------------------------------------------------------------------------------ the stages
 def run_stage(name: str, tiny: bool, out: Path) -> None:
-    """One stage, in this process; its result as JSON at ``out``."""
+    """One stage, in this process: each row appended to ``rows.jsonl`` beside ``out`` as it is measured, and the
+    result as JSON at ``out`` when the stage ends."""
+    rows_path = out.parent / ROWS
+
+    def emit(line: str) -> None:
+        with rows_path.open("a") as fh:
+            fh.write(line.strip() + "\n")
+
     if name in BENCH:
-        result = _bench(*BENCH[name], tiny)
+        result = _bench(*BENCH[name], tiny, emit)
     else:
         result = {"fsdp-world1": _fsdp, "gpu-tests": _gpu_tests, "tiny-main-job": _main_job}[name](tiny)
     out.write_text(json.dumps(result))
 
 
-def _bench(family: str, resolutions: tuple[int, ...], prompts: int, tiny: bool) -> dict:
+def _bench(family: str, sizes: dict[int, tuple[int, int]], tiny: bool, emit) -> dict:
     from .gpu_bench import run_gpu_bench
 
-    rows = run_gpu_bench((family,), (32,) * len(resolutions) if tiny else resolutions, prompts=prompts, tiny=tiny,
-                         emit=lambda line: None, compiled=False)
+    if tiny:  # the shrunken model at 32 px, four steps, four chains
+        sizes = {32: (4, 4)}
+    rows = run_gpu_bench((family,), tuple(sizes), batch="auto", prompts=1, tiny=tiny, emit=emit, compiled=False,
+                         steps={(family, px): st for px, (st, _) in sizes.items()},
+                         chains={(family, px): ch for px, (_, ch) in sizes.items()},
+                         cases=("update", "update checkpointing"), most_batch=2 if tiny else 16)
     return {"rows": rows}
 
 

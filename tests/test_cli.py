@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from flowrl.cli import main
 from flowrl.report import read_metrics
@@ -172,17 +173,39 @@ def test_bench_memory_prints_the_rss_slope(capsys):
 
 def test_bench_gpu_runs_its_code_path_on_tiny_models():
     """`flowrl bench-gpu --tiny`: the GPU benchmark's update step and rollouts on shrunken SD3.5-M / FLUX.1 layouts
-    (the timings are printed, not asserted); the FLOP count is measured and the tree saves evaluations."""
-    from flowrl.gpu_bench import run_gpu_bench
+    (the timings are printed, not asserted); the FLOP counts are measured, rollout FLOPs are one call's per latent
+    times the evaluations, and the tree saves evaluations; each row reaches ``emit`` as it is measured."""
+    from flowrl.gpu_bench import forward_flops_per_row, run_gpu_bench
 
-    rows = run_gpu_bench(("sd35m", "flux1"), (64,), batch=2, prompts=1, tiny=True, device="cpu", emit=lambda r: None,
-                         compiled=False)
+    emitted = []
+    rows = run_gpu_bench(("sd35m", "flux1"), (64,), batch=2, prompts=1, tiny=True, device="cpu", emit=emitted.append,
+                         compiled=False, peak_tflops=0.5)
+    assert [json.loads(line) for line in emitted] == rows
     assert [(r["family"], r["case"]) for r in rows] == [
         (f, c) for f in ("sd35m", "flux1")
         for c in ("update", "update unfused-adamw", "update checkpointing", "rollout flat", "rollout tree")]
     for r in rows:
-        assert r["seconds"] > 0 and r["images_per_s"] > 0
+        assert r["seconds"] > 0 and r["images_per_s"] > 0 and r["mfu"] == pytest.approx(r["achieved_tflops"] / 0.5, abs=1e-3)
         if r["case"].startswith("update"):
-            assert r["gflop_per_step"] > 0 and r["mfu"] >= 0
+            assert r["gflop_per_step"] > 0 and r["batch"] == 2
     flat, tree = rows[3], rows[4]  # 16 chains x 20 steps vs branch 2 at steps 0, 3, 6, 9: 1+2*3+4*3+8*3+16*10
     assert (flat["nfe"], tree["nfe"], flat["leaves"], tree["leaves"]) == (320, 203, 16, 16)
+    from flowrl.gpu_bench import build
+
+    per_row = forward_flops_per_row(build("sd35m", torch.device("cpu"), tiny=True), 64, tiny=True)
+    assert tree["gflop_per_nfe"] == round(per_row / 1e9, 4) > 0
+    assert tree["achieved_tflops"] == pytest.approx(per_row * 203 / tree["seconds"] / 1e12, rel=1e-2, abs=1e-3)
+
+
+def test_bench_gpu_auto_micro_batch_is_the_estimate_s_choice_for_the_family_preset():
+    """--batch auto: each update case at the micro-batch train.micro_batch=auto picks for the family's shipped preset
+    (on --tiny, for an 80 GB H100 at the tiny resolution), capped, with the estimate beside the measured peak."""
+    from flowrl.gpu_bench import H100_BYTES, auto_batch, run_gpu_bench
+
+    rows = run_gpu_bench(("qwen",), (32,), batch="auto", prompts=1, tiny=True, device="cpu", emit=lambda r: None,
+                         compiled=False, steps=4, chains=4, cases=("update",), most_batch=64)
+    chosen, why = auto_batch("qwen", 32, torch.device("cpu"), False, 64, H100_BYTES)
+    # 20B parameters of bf16 weights leave room for a few inputs on an 80 GB card at 80% of its memory
+    assert rows[0]["batch"] == chosen == int((0.8 * H100_BYTES / 2**30 - why["state_gib"]) // why["activations_per_input_gib"])
+    assert rows[0]["estimate_mb"] == round((why["state_gib"] + chosen * why["activations_per_input_gib"]) * 1024, 1)
+    assert why["state_gib"] + chosen * why["activations_per_input_gib"] <= 0.8 * H100_BYTES / 2**30

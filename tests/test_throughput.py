@@ -115,3 +115,28 @@ def test_auto_micro_batch_is_chosen_once_and_kept_on_resume(tmp_path):
     Trainer(load_config("configs/tiny_flow_grpo.yaml", [*common, "train.iterations=2", "resume=latest"])).train()
     rows = [json.loads(line) for line in (tmp_path / "auto/metrics.jsonl").read_text().splitlines()]
     assert [r["micro_batch"] for r in rows] == [expected, 3]
+
+
+def test_a_stage_that_runs_out_of_time_keeps_the_rows_it_wrote(tmp_path, monkeypatch):
+    """A stage appends each row to rows.jsonl as it is measured; one killed at its budget reports those rows (a
+    line cut short by the kill is dropped), and the table shows them."""
+    import sys
+
+    from flowrl import gpu_check
+
+    script = ("import json, pathlib, sys, time\n"
+              "rows = pathlib.Path(sys.argv[1]).parent / 'rows.jsonl'\n"
+              "for case in ('update', 'rollout flat'):\n"
+              "    with rows.open('a') as fh: fh.write(json.dumps({'case': case, 'seconds': 1.5}) + '\\n')\n"
+              "with rows.open('a') as fh: fh.write('{\"case\": \"rollout tr')\n"
+              "time.sleep(60)\n")
+    monkeypatch.setitem(gpu_check.STAGES, "bench-flux1", 3)
+    monkeypatch.setattr(gpu_check, "_stage_command", lambda name, tiny, out: [sys.executable, "-c", script, str(out)])
+    lines = []
+    report = gpu_check.run_check(tmp_path / "check", tiny=False, stages=["bench-flux1"], emit=lines.append)
+    stage = report["stages"]["bench-flux1"]
+    assert stage["status"] == "timeout" and 3 <= stage["seconds"] < 30
+    assert stage["rows"] == [{"case": "update", "seconds": 1.5}, {"case": "rollout flat", "seconds": 1.5}]
+    assert lines == [f"gpu-check: bench-flux1: timeout in {stage['seconds']} s, 2 rows kept"]
+    table = (tmp_path / "check/gpu_check.md").read_text()
+    assert "| bench-flux1 | timeout | " in table and "| rollout flat | 1.5 |" in table
