@@ -265,6 +265,12 @@ class TrainConfig(Section):
         64, "most parent states per forward/backward (gradient accumulation); auto: the largest that fits the "
         "device's memory by flowrl memory's estimate, chosen once and kept in the run folder (micro_batch.json), "
         "so a resume uses it again")
+    update_composition: str = opt(
+        "micro_batch", "how the update batches the states it recomputes: micro_batch (train.micro_batch states per "
+        "forward, the fewest forwards) or rollout (each state in the very transformer call of the rollout that "
+        "evaluated it, the same rows in the same order, so that the first update's ratio is 1 where kernels depend "
+        "on the batch, as bf16 matmuls on a GPU do; every row of a touched call is recomputed)",
+        choices=["micro_batch", "rollout"])
     cfg: bool = opt(True, "apply CFG in the training forward when guidance_scale > 1")
     mixed_precision: str = opt("no", "autocast of the transformer's forward; latents, SDE maths and trainable weights "
                                "stay fp32", choices=["no", "fp16", "bf16"])
@@ -673,6 +679,15 @@ def validate(cfg: Config) -> None:
         if value and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{key}: needs the {extra} package (pip install 'flowrl-tree[{extra}]' or pip install "
                               f"{extra}); or set it back to its default")
+    if cfg.train.update_composition == "rollout":
+        for key, bad, fix in (("train.fsdp.enabled", cfg.train.fsdp.enabled, "train.fsdp.enabled=false"),
+                              ("train.context_parallel.degree", cfg.train.context_parallel.degree > 1,
+                               "train.context_parallel.degree=1"),
+                              ("train.cfg", cfg.sampler.guidance_scale > 1 and not cfg.train.cfg, "train.cfg=true")):
+            if bad:
+                raise ConfigError(f"train.update_composition=rollout: recomputing the rollout's calls needs the "
+                                  f"update to call the transformer as the rollout did, which {key} prevents; set "
+                                  f"{fix} or train.update_composition=micro_batch")
     if cfg.train.grpo_guard and cfg.sampler.kernel != "flow_grpo":
         raise ConfigError(f"train.grpo_guard: GRPO-Guard normalises Flow-SDE transitions; set sampler.kernel=flow_grpo "
                           f"(not {cfg.sampler.kernel}) or train.grpo_guard=false")

@@ -47,6 +47,9 @@ class Round:
     # only when the rollout is asked to (an objective that normalises by the old mean)
     process_reward: torch.Tensor | None = None  # (N,) a guided plan's process reward at the edge's parent (0 on
     # unguided edges); None when the plan has no guidance
+    call: torch.Tensor | None = None  # (N,) long, the rollout's transformer call that evaluated the node (an id
+    # unique within the iteration; -1: never evaluated, a leaf), and the node's row in that call; None when the
+    slot: torch.Tensor | None = None  # tree was not built by the engine's driver (hand-made trees)
 
     @property
     def size(self) -> int:
@@ -54,7 +57,8 @@ class Round:
 
 
 # the fields every node has (the sampling mean is kept only on request)
-ROUND_FIELDS = tuple(f.name for f in dataclasses.fields(Round) if f.name not in ("mean", "process_reward"))
+OPTIONAL_FIELDS = ("mean", "process_reward", "call", "slot")
+ROUND_FIELDS = tuple(f.name for f in dataclasses.fields(Round) if f.name not in OPTIONAL_FIELDS)
 
 
 @dataclass
@@ -83,6 +87,8 @@ class Tree:
     sde = property(lambda self: self._field("sde"))
     trained = property(lambda self: self._field("trained"))
     stride = property(lambda self: self._field("stride"))
+    call = property(lambda self: self._field("call"))  # per round, the rollout call that evaluated each node
+    slot = property(lambda self: self._field("slot"))  # and its row in that call
 
     @property
     def mean(self) -> list[torch.Tensor]:
@@ -130,9 +136,8 @@ class Tree:
             prompts += int(t.rounds[0].group.max()) + 1
             roots += t.rounds[0].size
         merged = [Round(**{f: torch.cat([getattr(p, f) for p in parts]) for f in ROUND_FIELDS},
-                        mean=torch.cat([p.mean for p in parts]) if parts[0].mean is not None else None,
-                        process_reward=(torch.cat([p.process_reward for p in parts])
-                                        if parts[0].process_reward is not None else None))
+                        **{f: torch.cat([getattr(p, f) for p in parts]) if all(getattr(p, f) is not None for p in parts)
+                           else None for f in OPTIONAL_FIELDS})
                   for parts in shifted]
         return cls(trees[0].sigmas, merged, trees[0].plan, nfe=sum(t.nfe for t in trees),
                    transformer_calls=sum(t.transformer_calls for t in trees))
@@ -142,6 +147,24 @@ class Tree:
         the CPU where the rollout keeps them."""
         return dataclasses.replace(self, rounds=[dataclasses.replace(
             r, latents=r.latents.to(device), mean=None if r.mean is None else r.mean.to(device)) for r in self.rounds])
+
+    def rollout_calls(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The rollout's transformer calls: call id -> (rounds (n,), positions (n,)) of the nodes it evaluated, in
+        the order of their rows in the call. Empty when the tree does not record its calls."""
+        if not self.rounds or self.rounds[0].call is None:
+            return {}
+        rounds = torch.cat([torch.full_like(r.call, k) for k, r in enumerate(self.rounds)])
+        positions = torch.cat([torch.arange(r.size) for r in self.rounds])
+        calls, slots = torch.cat([r.call for r in self.rounds]), torch.cat([r.slot for r in self.rounds])
+        evaluated = calls >= 0
+        rounds, positions, calls, slots = rounds[evaluated], positions[evaluated], calls[evaluated], slots[evaluated]
+        if not len(calls):
+            return {}
+        order = torch.argsort(calls * (1 + int(slots.max())) + slots)  # by call, then by row
+        rounds, positions, calls = rounds[order], positions[order], calls[order]
+        ids, counts = torch.unique_consecutive(calls, return_counts=True)
+        return {int(c): (r, p) for c, r, p in zip(ids.tolist(), rounds.split(counts.tolist()),
+                                                   positions.split(counts.tolist()))}
 
     @property
     def num_rounds(self) -> int:
@@ -224,12 +247,11 @@ class Tree:
 def velocity_batched(adapter, x: torch.Tensor, sigma: torch.Tensor, cond, rows: torch.Tensor, max_batch: int,
                      guidance_scale: float, negative) -> tuple[torch.Tensor, int]:
     """Velocities for all nodes, chunked to at most ``max_batch`` per call. Returns ((N, C, H, W), calls)."""
-    outs, calls = [], 0
+    outs = []
     for start in range(0, x.shape[0], max_batch):
         sl = slice(start, start + max_batch)
         outs.append(adapter.velocity(x[sl], sigma[sl], cond.index(rows[sl]), guidance_scale, negative))
-        calls += 1
-    return torch.cat(outs), calls
+    return torch.cat(outs), len(outs)
 
 
 def _randn(shape, generator: torch.Generator) -> torch.Tensor:
@@ -257,6 +279,9 @@ def sibling_noise(shape: tuple[int, ...], branch: int, mode: str, strength: floa
         return strength * eps
     shared = _randn((shape[0] // branch, *shape[1:]), generator).repeat_interleave(branch, dim=0)
     return (shared + strength * eps) / math.sqrt(1 + strength**2)
+
+
+CALLS_PER_DRIVER = 1 << 20  # call ids of the driver whose first prompt row is a start at a * this
 
 
 @dataclass
@@ -422,7 +447,15 @@ def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Te
         x = tree.rounds[r].latents
         live_d, rows_d, branch_d, branch_v, side_d, side_v, comp_d, comp_v = (longs[8 * r + k] for k in range(8))
         sig_live, c_from, c_to = (floats[3 * r + k] for k in range(3))
-        v_live = yield (x if len(work.live) == x.shape[0] else x[live_d]), sig_live, rows_d
+        sent = yield (x if len(work.live) == x.shape[0] else x[live_d]), sig_live, rows_d
+        v_live = sent
+        if isinstance(sent, tuple):  # the driver says which call evaluated each live node, and its row there
+            v_live, calls, slots = sent
+            call, slot = [-1] * x.shape[0], [-1] * x.shape[0]
+            for k, c, q in zip(work.live, calls, slots):
+                call[k], slot[k] = c, q
+            tree.rounds[r].call = torch.tensor(call, dtype=torch.long)
+            tree.rounds[r].slot = torch.tensor(slot, dtype=torch.long)
         tree.nfe += len(work.live)
         latents, log_probs, stds, means = [], [], [], []
         process = None  # the guidance's process rewards of this round's main-line children (first in the round)
@@ -460,6 +493,9 @@ def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Te
             latents.append(xs), log_probs.append(zeros_dev), stds.append(zeros_dev), means.append(xs)
         nxt = Round(torch.cat(latents), **_round_fields(work.children), log_prob=torch.cat(log_probs),
                     std=torch.cat(stds), mean=torch.cat(means) if store_mean else None)
+        if tree.rounds[r].call is not None:  # nodes stay unevaluated until a later round says otherwise
+            nxt.call = torch.full((nxt.size,), -1, dtype=torch.long)
+            nxt.slot = torch.full((nxt.size,), -1, dtype=torch.long)
         tree.rounds.append(nxt)
         if plan.guidance is not None:
             pr = torch.zeros(nxt.size, device=device)
@@ -529,6 +565,7 @@ def packed_rollouts(adapter, cond, batches: list[tuple[int, int, torch.Generator
     share = [0.0] * len(batches)
     pending: dict[int, tuple] = {}
     started, tick = 0, 0
+    first_call = batches[0][0] * CALLS_PER_DRIVER if batches else 0
     while started < len(batches) or pending:
         while started < len(batches) and (started * stagger <= tick or not pending):
             pending[started] = next(gens[started])  # every plan has at least one round
@@ -539,10 +576,19 @@ def packed_rollouts(adapter, cond, batches: list[tuple[int, int, torch.Generator
         sig = torch.cat([pending[j][1] for j in order])
         rows = torch.cat([pending[j][2] + batches[j][0] for j in order])  # rows of the whole ``cond``
         v, calls = velocity_batched(adapter, x, sig, cond, rows, max_batch, guidance_scale, negative)
+        # which call evaluated each row, and its row there: ids unique in the iteration (the first prompt row of
+        # this driver's first batch tells drivers apart; calls are numbered in order)
+        total = sum(sizes)
+        call_of = [first_call + k // max_batch for k in range(total)]
+        slot_of = [k % max_batch for k in range(total)]
+        first_call += calls
+        offset = 0
         for j, part, n in zip(order, v.split(sizes), sizes):
-            share[j] += calls * n / sum(sizes)
+            share[j] += calls * n / total
+            mine = slice(offset, offset + n)
+            offset += n
             try:
-                pending[j] = gens[j].send(part)
+                pending[j] = gens[j].send((part, call_of[mine], slot_of[mine]))
             except StopIteration as done:
                 del pending[j]
                 trees[j] = done.value

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from . import losses
+from .errors import FlowRLError
 from .losses import gaussian_kl_same_std, guard_log_ratio, kl_std, ppo_clip_loss
 from .samplers.kernels import step as kernel_step
 
@@ -150,6 +151,8 @@ class TransitionObjective:
         self.guard = self.cfg.train.grpo_guard
         self.fused = (losses.compiled_edge_objective() if self.cfg.train.fused_loss and algorithm.per_edge_rows
                       and not self.guard else None)  # GRPO-Guard rewrites the log-ratio: the eager path
+        # train.update_composition=rollout: each parent state is recomputed inside the rollout call that evaluated it
+        self.same_composition = self.cfg.train.update_composition == "rollout"
 
     divergence_std: str | None = None  # set by objectives that need each edge's divergence from its rollout
     trains_transitions = True  # the loss is over the plan's trained edges
@@ -183,7 +186,10 @@ class TransitionObjective:
         self.untrained = untrained_states(tree) if cfg.train.kl_untrained_beta > 0 else None
         self.rows = {k: [] for k in ("ratio", "clipped", "kl", "policy_loss", "approx_kl", "step")}
         self.untrained_kls, self.mb_ratios, self.first = [], [], True
-        self.nfe, self.first_deviation = 0, 0.0
+        self.nfe, self.first_deviation, self.first_log_ratio = 0, 0.0, 0.0
+        self.calls = tree.rollout_calls() if self.same_composition else {}
+        if self.same_composition and not self.calls:
+            raise FlowRLError("train.update_composition=rollout: this rollout did not record its transformer calls")
         self.trained_edges = sum(len(u.children) for it in items for u in it)
         self.num_items = len(items)
         return items
@@ -193,6 +199,14 @@ class TransitionObjective:
 
     def item_rows(self, item) -> int:
         return self.algorithm.item_rows(item)
+
+    def group_key(self, item) -> int | None:
+        """train.update_composition=rollout: the rollout call of the item's first parent state (the optimisation
+        loop puts the items of one call in one micro-batch); None otherwise."""
+        if not self.same_composition:
+            return None
+        first = item[0]
+        return int(self.batch.tree.rounds[first.depth].call[first.parent])
 
     def begin_minibatch(self, items: list, gen: torch.Generator) -> None:
         self.mb_ratios = []
@@ -213,7 +227,7 @@ class TransitionObjective:
             row_loss = row_loss * torch.tensor([self.weights[int(i)] for i in step], device=row_loss.device)
         if not record:
             return row_loss.sum()
-        self.nfe += len(units)
+        self.nfe += self.forwarded
         ratio = ratio.detach()
         self.mb_ratios.append(ratio)
         r = self.rows
@@ -228,8 +242,12 @@ class TransitionObjective:
     def end_minibatch(self, gen: torch.Generator) -> torch.Tensor | None:
         cfg, procs = self.cfg, self.parts.procs
         if self.first:  # the first minibatch sees the rollout's own weights: every ratio is 1 up to float error
-            dev_first = float((torch.cat(self.mb_ratios) - 1).abs().max()) if self.mb_ratios else 0.0
-            self.first_deviation = max(procs.gather([dev_first]))
+            ratios = torch.cat(self.mb_ratios) if self.mb_ratios else torch.ones(0)
+            mine = (float((ratios - 1).abs().max()) if len(ratios) else 0.0, float(ratios.log().abs().sum()),
+                    len(ratios))
+            every = procs.gather([mine])  # the max |ratio - 1| and mean |log ratio| over every process's rows
+            self.first_deviation = max(d for d, _, _ in every)
+            self.first_log_ratio = sum(s for _, s, _ in every) / max(1, sum(n for _, _, n in every))
             self.first = False
         if self.untrained is None or not len(self.untrained[0]):
             return None
@@ -258,6 +276,7 @@ class TransitionObjective:
         step = torch.cat(steps)
         stats.update({
             "nfe_train": procs.sum(self.nfe), "ratio_max_abs_dev_first_update": self.first_deviation,
+            "mean_abs_log_ratio_first_update": self.first_log_ratio,
             "clipfrac": float(torch.cat(clipped).mean()), "approx_kl": float(torch.cat(approx).mean()),
             "ratio_mean": float(ratio.mean()), "ratio_std": float(ratio.std(correction=0)),
             "policy_loss": float(torch.cat(pls).mean()), "kl_loss": float(torch.cat(kls).mean()),
@@ -274,6 +293,31 @@ class TransitionObjective:
         """(v, v_ref or None) at states x (N, *latent) of the prompts ``rows`` (N,) of this update's batch."""
         return velocities(self.parts, x, sigma, self.batch.cond.index(rows), with_reference)
 
+    def _velocities_in_rollout_calls(self, p_rnd: torch.Tensor, p_pos: torch.Tensor, with_reference: bool):
+        """(v, v_ref or None) of the parent states (U,) by round and position, each computed in the rollout's own
+        call: every call that evaluated one of them runs again with all its rows in their order (bf16 kernels may
+        round a row differently in another batch), and the parents' rows are taken from it."""
+        tree, dev = self.batch.tree, self.parts.device
+        call = tree.gather(tree.call, p_rnd, p_pos).tolist()  # (U,) each parent's call and its row there
+        slot = tree.gather(tree.slot, p_rnd, p_pos)
+        v = v_ref = None
+        self.forwarded = 0
+        for c in dict.fromkeys(call):  # each call once, in the order the parents first need it
+            rounds, positions = self.calls[c]
+            x = tree.gather(tree.latents, rounds, positions).to(dev)  # (n, *latent) the call's rows, in order
+            sig = tree.sigmas[tree.gather(tree.index, rounds, positions)].to(dev)
+            rows = tree.gather(tree.group, rounds, positions).to(dev)
+            v_call, ref_call = self.velocities(x, sig, rows, with_reference)
+            self.forwarded += len(rounds)
+            mine = torch.tensor([k for k, ck in enumerate(call) if ck == c])  # (m,) the parents this call evaluated
+            if v is None:
+                v = v_call.new_empty((len(call), *v_call.shape[1:]))
+                v_ref = None if ref_call is None else ref_call.new_empty((len(call), *ref_call.shape[1:]))
+            v = v.index_put((mine.to(dev),), v_call[slot[mine].to(dev)])  # out of place: the graph flows to v_call
+            if ref_call is not None:
+                v_ref[mine.to(dev)] = ref_call[slot[mine].to(dev)]
+        return v, v_ref
+
     def _edge_terms(self, units: list):
         """Forward one micro-batch of parent states; returns per-edge (E,) log_prob, old, adv, kl, step index and
         the fused path's (loss, ratio) or None."""
@@ -283,9 +327,13 @@ class TransitionObjective:
         p_pos = torch.tensor([u.parent for u in units])
         x = tree.gather(tree.latents, p_rnd, p_pos).to(dev)  # (U, *latent)
         parent_index = tree.gather(tree.index, p_rnd, p_pos)
-        sig = tree.sigmas[parent_index].to(dev)
-        rows = tree.gather(tree.group, p_rnd, p_pos).to(dev)
-        v, v_ref = self.velocities(x, sig, rows, cfg.train.kl_beta > 0)  # (U, *latent)
+        if self.same_composition:
+            v, v_ref = self._velocities_in_rollout_calls(p_rnd, p_pos, cfg.train.kl_beta > 0)
+        else:
+            sig = tree.sigmas[parent_index].to(dev)
+            rows = tree.gather(tree.group, p_rnd, p_pos).to(dev)
+            v, v_ref = self.velocities(x, sig, rows, cfg.train.kl_beta > 0)  # (U, *latent)
+            self.forwarded = len(units)
         # expand parents to their child edges: (E,) per-edge parent slot, child round and position
         pos = torch.tensor([i for i, u in enumerate(units) for _ in u.children], device=dev)
         rnd = torch.tensor([u.depth + 1 for u in units for _ in u.children])

@@ -30,6 +30,19 @@ def micro_batches(numbered: list, max_size: int, size):
         yield group
 
 
+def _groups(objective, numbered: list, max_size: int) -> list[list]:
+    """The micro-batches: by size, or, where the objective keys its items (one rollout call per micro-batch under
+    ``train.update_composition=rollout``), the items of one key together, keys in order of first appearance."""
+    key = getattr(objective, "group_key", None)
+    keys = [key(item) for _, item in numbered] if key is not None else []
+    if not keys or keys[0] is None:
+        return list(micro_batches(numbered, max_size, objective.item_size))
+    by_key: dict = {}
+    for pair, k in zip(numbered, keys):
+        by_key.setdefault(k, []).append(pair)
+    return list(by_key.values())
+
+
 def optimise(objective: Objective, batch: UpdateBatch, policy, procs, train_cfg, gen: torch.Generator) -> dict:
     """Train ``policy`` on one iteration's ``batch`` with ``objective``: epochs, minibatches, micro-batches,
     gradient accumulation, the gradient sum over processes, clipping, the optimizer step and the EMA.
@@ -60,7 +73,7 @@ def optimise(objective: Objective, batch: UpdateBatch, policy, procs, train_cfg,
             objective.begin_minibatch(mb_items, gen)
             opt.zero_grad(set_to_none=True)
             numbered = list(enumerate(mb_items))
-            groups = list(micro_batches(procs.share(numbered), train_cfg.micro_batch, objective.item_size))
+            groups = _groups(objective, procs.share(numbered), train_cfg.micro_batch)
             for group in groups:
                 accelerator.backward(objective.micro_batch_loss(group) / n_rows)
             if policy.sharded:  # every process runs as many forwards and backwards as the busiest (zero weight)

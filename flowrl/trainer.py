@@ -130,6 +130,9 @@ class Trainer:
         options = kernel_options(cfg)
         self.objective = self.algorithm.make_objective(TrainingParts(
             cfg, self.adapter, self.policy, self.procs, self.sigmas, self.negative, options))
+        if cfg.train.update_composition == "rollout" and not hasattr(self.objective, "group_key"):
+            raise ConfigError(f"train.update_composition=rollout: {cfg.algorithm.name} does not recompute the "
+                              "rollout's transitions; set train.update_composition=micro_batch")
         self.runner = RolloutRunner(self.adapter, self.rewards, self.procs,
                                     RolloutOptions.from_config(cfg, options, self.objective.needs_sampling_mean),
                                     self.sigmas, self.latent_shape, self.negative)
