@@ -17,6 +17,14 @@ Stages:
   steps; every row with measured FLOPs, TFLOP/s and MFU (rollouts: the FLOP count of one transformer call times
   the evaluations). SD3.5-M at 512 and 1024 px (8 chains at 1024), FLUX.1-dev, FLUX.2 [klein] 4B and Qwen-Image
   at 512 px, Wan 2.1 1.3B and 14B at 256 px x 9 frames (8 chains for 14B);
+- ``end-to-end-sd35m``: the shipped SD3.5-M Flow-GRPO preset (LoRA) trained for two iterations at real size, 512
+  px, bf16, with random weights of every component of its pipeline and of its reward model
+  (:mod:`flowrl.models.published`: the MMDiT-X transformer, the VAE, CLIP-L, bigG and T5-XXL, PickScore's CLIP
+  ViT-H/14, each built on the GPU; nothing downloaded), 2 prompts x 4 images a round: per iteration the time split,
+  the peak memory beside ``flowrl memory``'s estimate (which leaves out the encoders, the VAE and the reward model:
+  their size is given beside it), and the first update's max |ratio - 1| and mean |log ratio|; the first iteration
+  batches its update by ``train.micro_batch``, the second recomputes the rollout's calls
+  (``train.update_composition=rollout``), so both modes' deviation and cost are in one run;
 - ``fsdp-world1``: a short sharded run (``train.fsdp.enabled=true``) of the tiny model on the device, its peak
   memory beside ``flowrl memory``'s estimate for the same config;
 - ``gpu-tests``: the GPU-marked tests (``pytest -m gpu``);
@@ -33,16 +41,19 @@ import tempfile
 import time
 from pathlib import Path
 
+from .callbacks import Callback
+
 STAGES = {  # name -> seconds allowed on one H100 (the tiny CPU check gets four times as long); 7 minutes in all
-    "bench-sd35m": 70,
-    "bench-flux1": 60,
-    "bench-flux2-klein": 40,
-    "bench-qwen-image": 55,
-    "bench-wan21-1.3b": 30,
-    "bench-wan21-14b": 50,
-    "fsdp-world1": 35,
-    "gpu-tests": 40,
-    "tiny-main-job": 35,
+    "bench-sd35m": 65,
+    "bench-flux1": 55,
+    "bench-flux2-klein": 35,
+    "bench-qwen-image": 50,
+    "bench-wan21-1.3b": 25,
+    "bench-wan21-14b": 45,
+    "end-to-end-sd35m": 55,
+    "fsdp-world1": 30,
+    "gpu-tests": 35,
+    "tiny-main-job": 25,
 }
 # per benchmark stage: the family, and per resolution (rollout steps, chains per prompt)
 BENCH = {"bench-sd35m": ("sd35m", {512: (10, 16), 1024: (10, 8)}),
@@ -141,7 +152,8 @@ def run_stage(name: str, tiny: bool, out: Path) -> None:
     if name in BENCH:
         result = _bench(*BENCH[name], tiny, emit)
     else:
-        result = {"fsdp-world1": _fsdp, "gpu-tests": _gpu_tests, "tiny-main-job": _main_job}[name](tiny)
+        result = {"fsdp-world1": _fsdp, "gpu-tests": _gpu_tests, "tiny-main-job": _main_job,
+                  "end-to-end-sd35m": _end_to_end}[name](tiny, emit)
     out.write_text(json.dumps(result))
 
 
@@ -157,7 +169,7 @@ def _bench(family: str, sizes: dict[int, tuple[int, int]], tiny: bool, emit) -> 
     return {"rows": rows}
 
 
-def _train(args: list[str], tiny: bool) -> Path:
+def _train(args: list[str], tiny: bool, callbacks=()) -> Path:
     from .config import load_config
     from .trainer import Trainer
 
@@ -165,11 +177,66 @@ def _train(args: list[str], tiny: bool) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix="flowrl-gpu-check-"))
     cfg = load_config(args[0], [*args[1:], f"device={device}", f"log.output_dir={tmp}", "log.run_name=check",
                                 "log.progress=false", "log.sample_every=0"])
-    Trainer(cfg).train()
+    trainer = Trainer(cfg)
+    trainer.callbacks += list(callbacks)
+    trainer.train()
     return tmp / "check"
 
 
-def _fsdp(tiny: bool) -> dict:
+class _EndToEndReport(Callback):
+    """The end-to-end stage's callback: each iteration's row as it ends, then the rollout-composition update for
+    the next iteration."""
+
+    def __init__(self, emit, extra: dict):
+        self.emit, self.extra = emit, extra
+
+    def on_train_begin(self, trainer) -> None:
+        adapter = trainer.adapter  # what the memory estimate leaves out: encoders, VAE and the reward models
+        modules = [getattr(adapter.pipe, n, None) for n in (*adapter.text_encoder_names, "vae")]
+        modules += [getattr(getattr(scorer, "clip", None), "model", None) for _, _, scorer in trainer.rewards.items]
+        self.extra["encoders_vae_reward_mb"] = round(sum(
+            p.numel() * p.element_size() for m in modules if m is not None for p in m.parameters()) / 2 ** 20, 1)
+        self.extra["setup_s"] = round(time.perf_counter() - self.extra.pop("start"), 1)
+
+    def on_iteration_end(self, trainer, it: int, row: dict) -> None:
+        keep = ("seconds_rollout", "seconds_reward", "seconds_train", "nfe_rollout", "nfe_train",
+                "ratio_max_abs_dev_first_update", "mean_abs_log_ratio_first_update", "peak_memory_mb",
+                "mfu_rollout", "mfu_update", "reward_mean/total")
+        mode = "rollout" if trainer.objective.same_composition else "micro_batch"
+        self.emit(json.dumps({"iteration": it, "update_composition": mode, **self.extra,
+                              **{k: round(row[k], 6) if isinstance(row.get(k), float) else row.get(k)
+                                 for k in keep if k in row}}))
+        trainer.objective.same_composition = True  # the next iteration recomputes the rollout's own calls
+
+
+def _end_to_end(tiny: bool, emit) -> dict:
+    """Two iterations of the SD3.5-M Flow-GRPO preset at real size with random weights (shrunk on --tiny)."""
+    from .config import load_config
+    from .memory import estimate
+
+    start = time.perf_counter()
+    config = ["configs/sd35m_flow_grpo.yaml", "train.iterations=2", "train.prompts_per_iter=2",
+              "algorithm.group_size=4", "rewards[0].name=flowrl.rewards.pickscore:RandomPickScore",
+              "log.eval=none", "data.sample_seeds=[0]", "sampler.eval_num_steps=4", "log.save_every=0"]
+    if tiny:  # the same pipeline classes shrunk, fp32 on the CPU
+        config += ["model.pretrained=random-sd3.5-medium-shrunk", "model.resolution=64", "model.dtype=fp32",
+                   "train.mixed_precision=no", "rewards[0].args={scale: flow_grpo, shrunk: true}"]
+    else:
+        config += ["model.pretrained=random-sd3.5-medium", "model.dtype=bf16", "train.mixed_precision=bf16",
+                   "rewards[0].args={scale: flow_grpo}"]
+    predicted = estimate(load_config(config[0], config[1:]), [1])["per_process_gib"][0]
+    rows = []
+
+    def keep(line: str) -> None:
+        rows.append(json.loads(line))
+        emit(line)
+
+    _train(config, tiny, [_EndToEndReport(keep, {"estimate_mb": round(predicted["total"] * 1024, 1),
+                                                 "start": start})])
+    return {"rows": rows}
+
+
+def _fsdp(tiny: bool, emit=None) -> dict:
     from .config import load_config
     from .memory import estimate
 
@@ -186,7 +253,7 @@ def _fsdp(tiny: bool) -> dict:
                       "iterations": len(rows), "sharded_checkpoint": (run / "checkpoints").is_dir()}]}
 
 
-def _gpu_tests(tiny: bool) -> dict:
+def _gpu_tests(tiny: bool, emit=None) -> dict:
     import torch
 
     if tiny or not torch.cuda.is_available():
@@ -200,7 +267,7 @@ def _gpu_tests(tiny: bool) -> dict:
     return {"rows": [{"pytest": last}]}
 
 
-def _main_job(tiny: bool) -> dict:
+def _main_job(tiny: bool, emit=None) -> dict:
     run = _train(["configs/tiny_shapes_flow_grpo.yaml", f"train.iterations={1 if tiny else 10}",
                   "sampler.noise_device=device", "log.eval=none", "log.save_every=0"], tiny)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -24,25 +24,9 @@ from .errors import ConfigError
 
 GIB = 2 ** 30
 
-# The published transformer/config.json of the presets' checkpoints (class, config), so that no download is needed.
-SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
-                   num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-                   pooled_projection_dim=2048, pos_embed_max_size=384, qk_norm="rms_norm",
-                   dual_attention_layers=tuple(range(13)))
-FLUX1_DEV = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38,
-                 attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-                 guidance_embeds=True, axes_dims_rope=(16, 56, 56))
-QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
-                  num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56))
-WAN21_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
-                 text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
-                 qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
-                 rope_max_seq_len=1024)
-WAN21_1_3B = dict(WAN21_14B, num_attention_heads=12, ffn_dim=8960, num_layers=30)
-FLUX2_KLEIN_4B = dict(patch_size=1, in_channels=128, out_channels=None, num_layers=5, num_single_layers=20,
-                      attention_head_dim=128, num_attention_heads=24, joint_attention_dim=7680,
-                      timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32),
-                      rope_theta=2000, eps=1e-6, guidance_embeds=False)
+from .models.published import (FLUX1_DEV, FLUX2_KLEIN_4B, QWEN_IMAGE, SD35_MEDIUM,  # noqa: F401 (re-exported)
+                               WAN21_1_3B, WAN21_14B)
+
 ARCHITECTURES = {
     "stabilityai/stable-diffusion-3.5-medium": ("SD3Transformer2DModel", SD35_MEDIUM, 1),
     "black-forest-labs/FLUX.1-dev": ("FluxTransformer2DModel", FLUX1_DEV, 1),
@@ -53,6 +37,7 @@ ARCHITECTURES = {
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("WanTransformer3DModel", WAN21_1_3B, 1),
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": ("WanTransformer3DModel", WAN21_14B, 1),
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": ("WanTransformer3DModel", WAN21_14B, 2),  # two experts of 14B
+    "random-sd3.5-medium": ("SD3Transformer2DModel", SD35_MEDIUM, 1),  # the published architecture, random weights
 }
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -69,10 +54,10 @@ def architecture(model_cfg) -> Architecture:
     import json
     from pathlib import Path
 
-    from .registry import adapter_class
+    from .registry import MODEL_NAMES, adapter_class
 
     name = model_cfg.pretrained
-    if name in (None, "", "tiny") or name.startswith("tiny"):
+    if name in (None, "", "tiny") or name.startswith("tiny") or (name in MODEL_NAMES and name not in ARCHITECTURES):
         from .models import load_adapter
 
         adapter = load_adapter(model_cfg)

@@ -46,7 +46,10 @@ EVALUATORS: dict[str, Any] = {"shapes": "flowrl.shapes.evaluate:ShapesEvaluator"
 COMMANDS: dict[str, Any] = {"shapes-demo": "flowrl.shapes.commands:add_commands"}
 # pretrained model names that are not hub ids: a function(model_cfg) -> diffusers pipeline
 MODEL_NAMES: dict[str, Any] = {"tiny-shapes": "flowrl.shapes.image_model:load_tiny_shapes_pipeline",
-                               "tiny-moving-shapes": "flowrl.shapes.video_model:load_tiny_moving_shapes_pipeline"}
+                               "tiny-moving-shapes": "flowrl.shapes.video_model:load_tiny_moving_shapes_pipeline",
+                               # published architectures with random weights (time and memory at real size)
+                               "random-sd3.5-medium": "flowrl.models.published:random_sd35_medium",
+                               "random-sd3.5-medium-shrunk": "flowrl.models.published:random_sd35_medium_shrunk"}
 
 
 def _import(path: str, what: str):

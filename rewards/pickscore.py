@@ -40,3 +40,25 @@ class PickScore:
             return cos
         score = self.clip.logit_scale * cos
         return score / 26.0 if self.scale == "flow_grpo" else score
+
+
+class RandomPickScore(PickScore):
+    """The PickScore reward with a random-weight CLIP ViT-H/14 (or its shrunk twin), built on the accelerator where
+    there is one: ``rewards[i].name: flowrl.rewards.pickscore:RandomPickScore`` (``flowrl gpu-check``'s
+    end-to-end stage times a preset at real size with it; its scores are arbitrary)."""
+
+    def __init__(self, scale: str = "flow_grpo", shrunk: bool = False, seed: int = 1):
+        from transformers import CLIPConfig, CLIPModel
+
+        from flowrl.models.published import CLIP_VOCAB, REAL, SHRUNK, build_device, built_on
+
+        sizes = (SHRUNK if shrunk else REAL)["reward"]
+        device, dtype = build_device()
+        torch.manual_seed(seed)
+        config = CLIPConfig(text_config=dict(sizes["text"], vocab_size=CLIP_VOCAB, bos_token_id=49406,
+                                             eos_token_id=49407, pad_token_id=49407),
+                            vision_config=sizes["vision"], projection_dim=sizes["projection_dim"],
+                            logit_scale_init_value=sizes["logit_scale_init_value"])
+        with built_on(device, dtype):
+            model = CLIPModel(config).eval()
+        super().__init__(model=model, processor=None, scale=scale, device=str(device))

@@ -80,13 +80,24 @@ def test_gpu_check_tiny_runs_every_stage_on_a_cpu(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "check/gpu_check.json").read_text())
     assert list(report["stages"]) == ["bench-sd35m", "bench-flux1", "bench-flux2-klein", "bench-qwen-image",
-                                      "bench-wan21-1.3b", "bench-wan21-14b", "fsdp-world1", "gpu-tests",
-                                      "tiny-main-job"]
+                                      "bench-wan21-1.3b", "bench-wan21-14b", "end-to-end-sd35m", "fsdp-world1",
+                                      "gpu-tests", "tiny-main-job"]
     for name, stage in report["stages"].items():
         assert stage["status"] == "ok", (name, stage.get("error"))
         assert 0 < stage["seconds"] <= stage["budget_s"]
     bench = report["stages"]["bench-flux1"]["rows"]
     assert {r["case"] for r in bench} >= {"update", "rollout flat", "rollout tree"}
+    for row in bench:  # rollouts and updates alike: the measured FLOPs over the measured time
+        assert row["achieved_tflops"] >= 0 and "mfu" in row
+    assert {r["case"] for r in bench} == {"update", "update checkpointing", "rollout flat", "rollout tree"}
+    # the SD3.5-M preset end to end on the shrunk pipeline: two iterations, the second recomputing the rollout's calls
+    e2e = report["stages"]["end-to-end-sd35m"]["rows"]
+    assert [(r["iteration"], r["update_composition"]) for r in e2e] == [(0, "micro_batch"), (1, "rollout")]
+    for r in e2e:
+        assert r["ratio_max_abs_dev_first_update"] < 1e-5 and r["nfe_rollout"] == 2 * 4 * 10  # fp32 on the CPU
+        assert r["estimate_mb"] > 0 and r["encoders_vae_reward_mb"] > 0 and r["setup_s"] > 0
+        assert r["seconds_rollout"] > 0 and r["seconds_train"] > 0
+    assert e2e[1]["nfe_train"] >= e2e[0]["nfe_train"]  # whole calls are recomputed
     fsdp = report["stages"]["fsdp-world1"]["rows"][0]
     assert fsdp["sharded_checkpoint"] and fsdp["weights_mb"] == pytest.approx(fsdp["estimate_weights_mb"], rel=1e-2)
     table = (tmp_path / "check/gpu_check.md").read_text()

@@ -52,7 +52,7 @@ class SD3Adapter(PipelineAdapter):
         elif name in MODEL_NAMES or (Path(name) / "pretrain.json").is_file():
             # a named embedded model, or a folder written by `flowrl pretrain-tiny --export-dir`
             pipe = cls.embedded_pipeline(model_cfg, None if name in MODEL_NAMES else load_exported_tiny_sd3)
-            max_seq = 0
+            max_seq = getattr(pipe, "embedded_max_tokens", 0)  # T5 tokens where the pipeline has a T5
         else:
             pipe = load_sd3_pipeline(name, dtype, allow_t5=model_cfg.use_t5)
             max_seq = model_cfg.max_sequence_length if model_cfg.use_t5 else 0
