@@ -317,7 +317,8 @@ class DataConfig(Section):
 
 class LogConfig(Section):
     output_dir: str = opt("runs", "parent folder of run directories")
-    run_name: Optional[str] = opt(None, "run folder name (default: config name + time)")
+    run_name: Optional[str] = opt(None, "run folder name, one folder inside log.output_dir (default: config name + "
+                                  "time)")
     sample_every: int = opt(10, "iterations between sample grids (0 = only start and end)", lo=0)
     save_every: int = opt(10, "iterations between checkpoints (0 = only at the end)", lo=0)
     keep_checkpoints: int = opt(2, "newest checkpoints kept in the run folder (older ones are deleted; "
@@ -337,6 +338,15 @@ class LogConfig(Section):
                                    lo=0)
     early_stop_drop: float = opt(0.0, "stop when a curve point falls this far below the best (e.g. 0.1 = 10 "
                                  "points of accuracy; 0 = never)", lo=0.0)
+
+    @field_validator("run_name")
+    @classmethod
+    def _one_folder_name(cls, value):
+        """A name, not a path: it must not leave log.output_dir nor name it."""
+        if value and (value in (".", "..") or any(c in value for c in "/\\\0") or value != value.strip()):
+            raise ValueError(f"{value!r} is not a folder name; give one name without '/', '\\', '..' or surrounding "
+                             "spaces (the run goes in log.output_dir/<run_name>; set log.output_dir for another place)")
+        return value
 
 
 class Config(Section):

@@ -1,11 +1,11 @@
 """A run's folder, owned by one run: a new run never reuses a folder that holds another run's metrics or
-checkpoints, a resume moves what it abandons aside instead of deleting or mixing it, and every location is
-checked writable before a model is loaded."""
+checkpoints, nor a folder flowrl did not make (a run folder carries the marker file ``.flowrl-run``), a resume
+moves what it abandons aside instead of deleting or mixing it, and every location is checked writable before a
+model is loaded."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -18,6 +18,7 @@ from .config import save_config
 from .errors import ConfigError
 
 ABANDONED = "abandoned"
+MARKER = ".flowrl-run"  # written into every run folder when it opens: the folder is a run's, made by flowrl
 
 
 def check_writable(path: Path, key: str) -> None:
@@ -54,11 +55,19 @@ class RunFolder:
         if resume_ckpt is None and folder.holds_run():
             raise ConfigError(f"log.run_name: {path} already holds a run ({folder.describe()}); continue it with "
                               f"resume=latest log.run_name={path.name}, or choose another log.run_name")
+        if resume_ckpt is None and folder.foreign():
+            entries = sum(1 for _ in path.iterdir())
+            raise ConfigError(f"log.run_name: {path} already exists and holds {entries} entries that no flowrl run "
+                              "wrote; choose another log.run_name (nothing in that folder was touched)")
         check_writable(path, "log.output_dir")
         return folder
 
     def checkpoints(self) -> list[Path]:
         return checkpoints_newest_first(self.path)[::-1]  # oldest first
+
+    def foreign(self) -> bool:
+        """The folder exists, is not empty and was not made by flowrl (it has no :data:`MARKER`)."""
+        return self.path.is_dir() and not (self.path / MARKER).is_file() and any(self.path.iterdir())
 
     def holds_run(self) -> bool:
         return bool(report.read_metrics(self.metrics, warn=False)) or bool(self.checkpoints())
@@ -72,14 +81,15 @@ class RunFolder:
         """Create the folder and write the resolved config. Resuming at iteration ``resume_from``: later
         checkpoints and metrics rows belong to an abandoned continuation and are moved to ``abandoned-<time>``."""
         self.path.mkdir(parents=True, exist_ok=True)
+        if not (self.path / MARKER).is_file():
+            report.atomic_write_bytes(self.path / MARKER, json.dumps({"flowrl_run": True}).encode())
         if resume_from is None:
             self.metrics.unlink(missing_ok=True)  # holds no rows (plan() checked); a run starts it fresh
             self.curve.unlink(missing_ok=True)
         else:
             self._abandon_after(resume_from)
-        tmp = self.path / ".config.yaml.tmp"
-        save_config(cfg, tmp)
-        os.replace(tmp, self.path / "config.yaml")
+        with report.atomic_path(self.path / "config.yaml") as tmp:
+            save_config(cfg, tmp)
         if trackers:
             trackers.init_trackers(self.path.name)
 

@@ -10,12 +10,18 @@ checkpoint whole.
 DCP reshards on load: a checkpoint written by N processes loads into M processes, or into one plain
 (unsharded) transformer (``flowrl export``, ``flowrl sample``, ``flowrl eval``). An exact resume needs the same
 world size (``train.fsdp.resume_other_world_size`` allows another).
+
+Loading unpickles nothing but data: DCP reads ``.metadata`` with ``pickle.load`` and its non-tensor entries with
+``torch.load(weights_only=False)``, so a crafted run folder could run code on ``resume``; here the metadata goes
+through an unpickler that admits only DCP's own records, and every entry through ``weights_only=True``.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import shutil
 import signal
 from pathlib import Path
@@ -113,6 +119,98 @@ def save_sharded_checkpoint(ckpt_dir: Path, policy, adapter, procs, iteration: i
     return ckpt_dir
 
 
+# What a DCP checkpoint's .metadata pickle may name: DCP's own metadata records, the tensor facts they hold and the
+# checkpoint's path. Anything else (a function to call, a class that runs code when built) means the file was not
+# written by DCP, and is refused before it can run.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+     ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"), ("pathlib", "Path"),
+     ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                   torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which a checkpoint's metadata never holds")
+
+
+def _safe_reader(folder: Path):
+    """DCP's file reader with its ``.metadata`` read by :class:`_MetadataUnpickler` instead of ``pickle.load``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            path = Path(folder) / ".metadata"
+            try:
+                with open(path, "rb") as fh:
+                    metadata = _MetadataUnpickler(fh).load()
+            except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
+                raise FlowRLError(f"{path}: refused to read it ({str(exc).splitlines()[0][:200] or type(exc).__name__}): "
+                                  "a damaged or foreign checkpoint; use another checkpoint of the run") from exc
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(folder))
+
+
+def _safe_planner():
+    """DCP's load planner with its non-tensor entries (optimizer hyper-parameters, counters) read by
+    ``torch.load(weights_only=True)``: plain numbers, strings and containers only (DCP reads them with
+    ``weights_only=False``, which would run whatever a crafted file holds)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class SafePlanner(DefaultLoadPlanner):
+        refused: str | None = None  # DCP wraps a planner's error in its own: the refusal is kept here too
+
+        def load_bytes(self, read_item, value):
+            try:
+                vetted = torch.load(value, weights_only=True)
+            except Exception as exc:  # noqa: BLE001 (the unpickler's refusal, or a cut file)
+                first = next((line.strip() for line in str(exc).splitlines() if "global" in line.lower()),
+                             str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                self.refused = (f"a sharded checkpoint's entry {read_item.dest_index.fqn} is not plain data "
+                                f"({first[:160]}); refused to load it")
+                raise FlowRLError(self.refused) from exc
+            buffer = io.BytesIO()
+            torch.save(vetted, buffer)  # what DCP then reads back is this vetted copy
+            buffer.seek(0)
+            super().load_bytes(read_item, buffer)
+
+    return SafePlanner()
+
+
+def read_sharded_metadata(ckpt: Path):
+    """A sharded checkpoint's DCP metadata, read safely (:class:`_MetadataUnpickler`)."""
+    return _safe_reader(Path(ckpt) / SHARDED_DIR).read_metadata()
+
+
+def load_dcp(state: dict, ckpt: Path, **kwargs) -> None:
+    """``torch.distributed.checkpoint.load`` of a checkpoint's sharded folder, with the safe metadata reader and
+    planner: nothing in the folder is unpickled beyond plain data and DCP's own records."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(ckpt) / SHARDED_DIR
+    reader, planner = _safe_reader(folder), _safe_planner()
+    reader.read_metadata()  # a refusal here is one line (inside dcp.load, DCP wraps it in a traceback per rank)
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner, **kwargs)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001
+        if planner.refused:
+            raise FlowRLError(planner.refused) from exc
+        raise
+
+
 def _maybe_killed(iteration: int, rank: int) -> None:
     spec = os.environ.get(KILL_DURING_SAVE, "")
     if spec and spec == f"{iteration}:{rank}":
@@ -150,17 +248,17 @@ def check_resume(ckpt: Path, cfg, world: int) -> None:
 def load_sharded_state(ckpt: Path, policy) -> dict:
     """Weights, optimizer, EMA and old policy of a sharded checkpoint into a sharded policy (any world size);
     returns state.json."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    from torch.distributed.checkpoint import FileSystemReader
-
     info = json.loads((Path(ckpt) / "state.json").read_text())
-    saved = FileSystemReader(str(Path(ckpt) / SHARDED_DIR)).read_metadata().state_dict_metadata
+    saved = read_sharded_metadata(ckpt).state_dict_metadata
     state = _state(policy, with_optimizer=any(k.startswith("optimizer") for k in saved))
     try:
-        dcp.load(state, checkpoint_id=str(Path(ckpt) / SHARDED_DIR))
-    except Exception as exc:  # noqa: BLE001 (DCP reports missing keys and shapes through several exception types)
+        load_dcp(state, ckpt)
+    except FlowRLError:
+        raise
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 (DCP reports missing keys and shapes several ways)
         raise FlowRLError(f"{ckpt}: its sharded state does not fit this model ({str(exc).splitlines()[0][:200]}); "
                           "resume with the run's own config.yaml") from exc
     if "optimizer" in state:
@@ -174,14 +272,16 @@ def load_sharded_weights(module: torch.nn.Module, ckpt: Path) -> None:
     """The trained weights of a sharded checkpoint, in place, into ``module``: a plain transformer in one process
     (any saved world size), or the sharded one of a running job (every process calls it)."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     lora = hasattr(module, "peft_config")
     params = {n: p for n, p in module.named_parameters() if "lora_" in n} if lora else dict(module.named_parameters())
     state = {"model": {n: p.data if not _is_dtensor(p) else p for n, p in params.items()}}
     try:
-        dcp.load(state, checkpoint_id=str(Path(ckpt) / SHARDED_DIR), no_dist=not dist.is_initialized())
-    except Exception as exc:  # noqa: BLE001
+        load_dcp(state, ckpt, no_dist=not dist.is_initialized())
+    except FlowRLError:
+        raise
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001
         raise FlowRLError(f"{ckpt}: its sharded weights do not fit this model ({str(exc).splitlines()[0][:200]})") from exc
 
 

@@ -5,13 +5,32 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 
+@contextmanager
+def atomic_path(path: Path):
+    """A temporary name beside ``path`` to write to (a file or a folder); renamed to ``path`` when the block ends
+    normally, removed when it raises (a full disk, an interrupt): the destination is whole or untouched, and
+    nothing is left behind."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        raise
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def write_csv(path: Path, rows: list[dict], fieldnames: list[str] | None = None) -> None:
@@ -70,7 +89,8 @@ def save_figure(fig, path: Path) -> None:
     """A matplotlib figure written to a temporary name and renamed into place, then closed."""
     import matplotlib.pyplot as plt
 
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
-from .files import save_figure
+from .files import atomic_path, save_figure
 
 
 def side_by_side(left: torch.Tensor, right: torch.Tensor, per_row: int) -> torch.Tensor:
@@ -70,15 +69,15 @@ def save_video_grid(videos: torch.Tensor, nrow: int, paths: list[Path], min_size
         frames.append((grid.permute(1, 2, 0) * 255).round().byte().numpy())
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-        if path.suffix == ".mp4":
-            _write_mp4(frames, tmp, fps)
-        else:
-            from PIL import Image
+        with atomic_path(path) as tmp:
+            if path.suffix == ".mp4":
+                _write_mp4(frames, tmp, fps)
+            else:
+                from PIL import Image
 
-            images = [Image.fromarray(f) for f in frames]
-            images[0].save(tmp, format="GIF", save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0)
-        os.replace(tmp, path)
+                images = [Image.fromarray(f) for f in frames]
+                images[0].save(tmp, format="GIF", save_all=True, append_images=images[1:], duration=int(1000 / fps),
+                               loop=0)
     return paths
 
 

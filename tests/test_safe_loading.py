@@ -1,0 +1,139 @@
+"""Nothing in a run folder runs code when it is loaded: a sharded checkpoint's DCP metadata and its non-tensor
+entries are read by unpicklers that admit only data (torch's own DCP reader would run a crafted file's code, shown
+here with a marker file), and a run's name stays one folder inside log.output_dir."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from flowrl.errors import ConfigError, FlowRLError
+
+
+class _RunsCode:
+    """Pickles as a call of os.system: loading it creates the marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _genuine(ckpt, extra=None):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {"w": torch.arange(6.0).view(2, 3)}, "optimizer": {"param_groups": [{"lr": 1e-4, "betas": (0.9, 0.99)}]}}
+    if extra is not None:
+        state["extra"] = extra
+    dcp.save(state, checkpoint_id=str(ckpt / "sharded"), no_dist=True)
+
+
+def test_a_genuine_sharded_checkpoint_loads_its_tensors_and_plain_entries(tmp_path):
+    from flowrl.sharded_checkpoint import load_dcp, read_sharded_metadata
+
+    _genuine(tmp_path)
+    assert "model.w" in read_sharded_metadata(tmp_path).state_dict_metadata
+    state = {"model": {"w": torch.zeros(2, 3)}, "optimizer": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0)}]}}
+    load_dcp(state, tmp_path, no_dist=True)
+    assert torch.equal(state["model"]["w"], torch.arange(6.0).view(2, 3))
+    assert state["optimizer"]["param_groups"][0] == {"lr": 1e-4, "betas": (0.9, 0.99)}
+
+
+def test_a_crafted_metadata_file_is_refused_before_it_runs(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from flowrl.sharded_checkpoint import load_sharded_weights, read_sharded_metadata
+
+    _genuine(tmp_path)
+    marker = tmp_path / "ran"
+    (tmp_path / "sharded" / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    for load in (lambda: read_sharded_metadata(tmp_path),
+                 lambda: load_sharded_weights(torch.nn.Linear(3, 2), tmp_path)):  # export / sample of a full run
+        with pytest.raises(FlowRLError) as err:
+            load()
+        assert "posix.system" in str(err.value) and "\n" not in str(err.value)
+        assert not marker.exists()
+    # torch's own reader runs it: the file is a real attack, not a malformed one
+    with pytest.raises(BaseException):  # DCP's CheckpointException is a BaseException
+        dcp.load({"model": {"w": torch.zeros(2, 3)}}, checkpoint_id=str(tmp_path / "sharded"), no_dist=True)
+    assert marker.exists()
+
+
+def test_a_crafted_entry_inside_the_shards_is_refused_before_it_runs(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from flowrl.sharded_checkpoint import load_dcp
+
+    marker = tmp_path / "ran"
+    _genuine(tmp_path, extra=_RunsCode(marker))
+    with pytest.raises(FlowRLError) as err:
+        load_dcp({"model": {"w": torch.zeros(2, 3)}, "extra": None}, tmp_path, no_dist=True)
+    assert "extra" in str(err.value) and "\n" not in str(err.value) and not marker.exists()
+    dcp.load({"model": {"w": torch.zeros(2, 3)}, "extra": None}, checkpoint_id=str(tmp_path / "sharded"), no_dist=True)
+    assert marker.exists()  # DCP's default planner unpickles it with weights_only=False
+
+
+@pytest.mark.parametrize("name", ["../../x", "/tmp/elsewhere", "..", ".", "a/b", "a\\b"])
+def test_a_run_name_is_one_folder_name(name):
+    from flowrl.config import load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/tiny_flow_grpo.yaml", [f"log.run_name={name}"])
+    assert str(err.value).startswith("log.run_name:") and "\n" not in str(err.value)
+
+
+def test_a_folder_flowrl_did_not_make_is_never_a_run_folder(tmp_path):
+    """A user's folder with a config.yaml but no metrics is refused before any work, and its file is untouched; a
+    run folder flowrl made (its marker) that never logged an iteration is taken again."""
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("my own notes\n")
+    common = ["train.iterations=1", "train.prompts_per_iter=2", f"log.output_dir={tmp_path}", "log.sample_every=0",
+              "log.progress=false", "log.eval=none"]
+    with pytest.raises(ConfigError) as err:
+        Trainer(load_config("configs/tiny_flow_grpo.yaml", [*common, "log.run_name=mine"]))
+    assert "no flowrl run wrote" in str(err.value) and "\n" not in str(err.value)
+    assert (mine / "config.yaml").read_text() == "my own notes\n" and sorted(p.name for p in mine.iterdir()) == ["config.yaml"]
+    run = Trainer(load_config("configs/tiny_flow_grpo.yaml", [*common, "log.run_name=fresh"]))
+    assert (tmp_path / "fresh/.flowrl-run").is_file()  # written when the folder opens
+    (tmp_path / "fresh/metrics.jsonl").unlink(missing_ok=True)  # as if it had stopped before its first iteration
+    del run
+    Trainer(load_config("configs/tiny_flow_grpo.yaml", [*common, "log.run_name=fresh"]))
+
+
+def test_a_failed_write_leaves_nothing_behind_and_the_old_file_whole(tmp_path):
+    """A full disk half way through a write: the destination keeps its old content and no temporary file stays
+    (every run-folder file, sample grid and plot is written through flowrl.report.atomic_path)."""
+    import errno
+    from pathlib import Path
+
+    import matplotlib.pyplot as plt
+
+    from flowrl.report import atomic_path, save_figure
+
+    target = tmp_path / "metrics.csv"
+    target.write_bytes(b"old")
+    with pytest.raises(OSError):
+        with atomic_path(target) as tmp:
+            tmp.write_bytes(b"ne")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["metrics.csv"]
+
+    def half_then_full(path, **_):
+        Path(path).write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    fig = plt.figure()
+    fig.savefig = half_then_full
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    with pytest.raises(OSError):
+        save_figure(fig, samples / "iter_00000.png")
+    assert list(samples.iterdir()) == []
