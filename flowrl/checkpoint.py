@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from .digests import digest_problem, write_digests
 from .errors import FlowRLError
 from .sharded_checkpoint import lora_metadata, lora_state_dict  # noqa: F401 (callers import them from here too)
 
@@ -68,6 +69,7 @@ def _write_checkpoint(tmp: Path, adapter, transformer, optimizer, iteration: int
     state.update(tensors or {})  # further trainer state (the old policy's weights)
     torch.save(state, tmp / STATE_FILE)
     (tmp / "state.json").write_text(json.dumps({"iteration": iteration, "lora": lora, **(extra or {})}, indent=1))
+    write_digests(tmp)  # last: every file's digest, checked before any load
 
 
 def checkpoints_newest_first(run_dir: Path) -> list[Path]:
@@ -107,6 +109,9 @@ def checkpoint_problem(ckpt: Path) -> str | None:
             return "its weights file is missing"
     if not all(w.is_file() for w in weights):
         return "its weights file is missing"
+    problem = digest_problem(ckpt)  # a cut, deleted or altered file (sharded shards included)
+    if problem:
+        return problem
     for w in weights:
         problem = _safetensors_problem(w)
         if problem:

@@ -107,6 +107,9 @@ def save_sharded_checkpoint(ckpt_dir: Path, policy, adapter, procs, iteration: i
         info = {"iteration": iteration, "lora": policy.lora, "sharded": {"world_size": procs.processes},
                 **({"ema": _ema_counters(policy.ema)} if policy.ema is not None else {}), **(extra or {})}
         (tmp / "state.json").write_text(json.dumps(info, indent=1))
+        from .digests import write_digests
+
+        write_digests(tmp)  # every process's shards are on disk (dcp.save has finished on all of them)
     procs.barrier()  # every shard is on disk before the folder takes its name
     if procs.is_main:
         if ckpt_dir.exists():

@@ -30,7 +30,8 @@ LAYERS = [
     ("models", ["flowrl.models", "flowrl.models.*"]),  # an adapter knows its pipeline's sigma schedule
     ("plan / kernels", ["flowrl.samplers", "flowrl.samplers.*"]),
     ("config / errors / io", ["flowrl", "flowrl.config", "flowrl.errors", "flowrl.registry", "flowrl.resources",
-                              "flowrl.tokenizer", "flowrl.report", "flowrl.report.*", "flowrl.cli_types"]),
+                              "flowrl.tokenizer", "flowrl.report", "flowrl.report.*", "flowrl.cli_types",
+                              "flowrl.digests"]),
 ]
 
 

@@ -137,3 +137,69 @@ def test_a_failed_write_leaves_nothing_behind_and_the_old_file_whole(tmp_path):
     with pytest.raises(OSError):
         save_figure(fig, samples / "iter_00000.png")
     assert list(samples.iterdir()) == []
+
+
+def _flip_tensor_bytes(path, count: int = 8) -> None:
+    """Flip ``count`` bytes inside a safetensors file's tensor data (the size and the header stay as they were)."""
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little") + 16
+    data[start:start + count] = bytes(b ^ 0xFF for b in data[start:start + count])
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_saved_weights_is_caught_before_any_weight_is_used(tmp_path, capsys):
+    """Every checkpoint records its files' SHA-256; a LoRA file with 8 flipped bytes (same size, a valid header) is
+    refused by export, sample and an explicit resume, and resume=latest continues from the newest intact one."""
+    import json
+
+    from flowrl.checkpoint import LORA_FILE
+    from flowrl.cli import main
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    common = ["train.prompts_per_iter=2", f"log.output_dir={tmp_path}", "log.run_name=r", "log.sample_every=0",
+              "log.progress=false", "log.eval=none", "log.save_every=1"]
+    Trainer(load_config("configs/tiny_flow_grpo.yaml", [*common, "train.iterations=2"])).train()
+    run = tmp_path / "r"
+    newest = run / "checkpoints/iter_00001"
+    assert json.loads((newest / "digests.json").read_text())[LORA_FILE]
+    _flip_tensor_bytes(newest / LORA_FILE)
+    capsys.readouterr()
+    for argv in (["export", str(newest), "--out", str(tmp_path / "lora")],
+                 ["sample", "configs/tiny_flow_grpo.yaml", "--checkpoint", str(newest), "--prompt", "a red circle",
+                  "--seeds", "0", "--out", str(tmp_path / "s.png")]):
+        assert main(argv) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "damaged checkpoint" in err[0] and "SHA-256" in err[0], err
+    assert not (tmp_path / "lora").exists() and not (tmp_path / "s.png").exists()
+    Trainer(load_config("configs/tiny_flow_grpo.yaml", [*common, "train.iterations=3", "resume=latest"])).train()
+    assert "iter_00001 is damaged" in capsys.readouterr().err  # named, and the run continued from iteration 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2] and all(r["reward_mean/total"] == r["reward_mean/total"] for r in rows)
+
+
+@pytest.mark.parametrize("damage", ["cut a shard", "delete a shard", "cut the metadata"])
+def test_a_damaged_sharded_checkpoint_is_named_and_the_newest_intact_one_resumes(tmp_path, capsys, damage):
+    import json
+
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    common = ["train.prompts_per_iter=2", f"log.output_dir={tmp_path}", "log.run_name=r", "log.sample_every=0",
+              "log.progress=false", "log.eval=none", "log.save_every=1", "train.fsdp.enabled=true"]
+    Trainer(load_config("configs/tiny_flow_grpo.yaml", [*common, "train.iterations=2"])).train()
+    sharded = tmp_path / "r/checkpoints/iter_00001/sharded"
+    shard = sorted(sharded.glob("*.distcp"))[0]
+    if damage == "cut a shard":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif damage == "delete a shard":
+        shard.unlink()
+    else:
+        meta = sharded / ".metadata"
+        meta.write_bytes(meta.read_bytes()[:40])
+    capsys.readouterr()
+    Trainer(load_config("configs/tiny_flow_grpo.yaml", [*common, "train.iterations=3", "resume=latest"])).train()
+    err = capsys.readouterr().err
+    assert "checkpoint iter_00001 is damaged" in err and "using iter_00000" in err and "Traceback" not in err
+    rows = [json.loads(line) for line in (tmp_path / "r/metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
