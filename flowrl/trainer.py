@@ -203,6 +203,7 @@ class Trainer:
                 stop_signal = self.procs.any(self._stop_signal is not None)  # a SIGTERM that reached any process
                 if last or stop_signal or (cfg.log.save_every and (it + 1) % cfg.log.save_every == 0):
                     ckpt = self.save(it)
+                    stop_signal = self.procs.any(self._stop_signal is not None)  # or one that came during the save
                 if stop_signal and not last:
                     bar.close()
                     raise Stopped(f"stopped by SIGTERM after iteration {it}; checkpoint {ckpt}; continue with "
@@ -212,6 +213,8 @@ class Trainer:
         with attention_kernels(cfg.train.attention_backend):
             for callback in self.callbacks:
                 callback.on_train_end(self)
+        if self._stop_signal is not None:  # it came during the last iteration or its save: the run is whole
+            raise Stopped(f"stopped by SIGTERM at the end of the run, which is complete (its last checkpoint: {ckpt})")
         return self.run_dir
 
     def iteration(self, it: int) -> dict:

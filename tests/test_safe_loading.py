@@ -203,3 +203,34 @@ def test_a_damaged_sharded_checkpoint_is_named_and_the_newest_intact_one_resumes
     assert "checkpoint iter_00001 is damaged" in err and "using iter_00000" in err and "Traceback" not in err
     rows = [json.loads(line) for line in (tmp_path / "r/metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("iterations, saved_at, stopped_after", [(3, 0, 0), (1, 0, 0)])
+def test_a_sigterm_during_a_checkpoint_save_stops_right_after_it(tmp_path, iterations, saved_at, stopped_after):
+    """The signal arrives while iteration ``saved_at``'s checkpoint is written: the run stops as soon as the save is
+    complete (not one iteration later), and one that arrives during the last save still ends in exit status 143."""
+    import json
+    import signal
+
+    from flowrl.config import load_config
+    from flowrl.errors import Stopped
+    from flowrl.trainer import Trainer
+
+    trainer = Trainer(load_config("configs/tiny_flow_grpo.yaml", [
+        "train.prompts_per_iter=2", f"log.output_dir={tmp_path}", "log.run_name=r", "log.sample_every=0",
+        "log.progress=false", "log.eval=none", "log.save_every=1", f"train.iterations={iterations}"]))
+    save = trainer.save
+
+    def save_then_signal(it):
+        path = save(it)
+        if it == saved_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # caught by the trainer's handler, as a scheduler's would be
+        return path
+
+    trainer.save = save_then_signal
+    with pytest.raises(Stopped) as stop:
+        trainer.train()
+    assert stop.value.exit_code == 143 and "\n" not in str(stop.value)
+    rows = [json.loads(line) for line in (tmp_path / "r/metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == list(range(stopped_after + 1))
+    assert (tmp_path / f"r/checkpoints/iter_{stopped_after:05d}/digests.json").is_file()
