@@ -17,7 +17,7 @@ import torch
 
 from . import report
 from .checkpoint import load_full_into, load_lora_into, save_checkpoint
-from .errors import ConfigError
+from .errors import ConfigError, FlowRLError
 
 
 class Callback:
@@ -52,6 +52,24 @@ class RewardCurvePlot(Callback):
     def on_train_end(self, trainer):
         if trainer.procs.is_main:
             report.plot_reward_curve(trainer.run_dir)
+
+
+class NoSignalStop(Callback):
+    """``log.stop_without_signal`` = N: when every group's rewards were equal (no spread, so zero advantages and
+    nothing to learn) in N iterations in a row, the run stops with one line saying what to check; the metrics of
+    those iterations are kept."""
+
+    def __init__(self, iterations: int):
+        self.iterations, self.flat = iterations, []
+
+    def on_iteration_end(self, trainer, it, row):
+        flat = row.get("zero_std_ratio") == 1.0 or row.get("reward_std/total") == 0.0
+        self.flat = self.flat + [it] if flat else []
+        if len(self.flat) >= self.iterations:
+            raise FlowRLError(f"no learning signal: every group's rewards were equal in iterations {self.flat[0]}.."
+                              f"{self.flat[-1]}, so nothing trained; check the rewards (their weights, and what they "
+                              "score) and sampler.noise_level, or set log.stop_without_signal=0 to run on")
+        return None
 
 
 class TrackerLog(Callback):

@@ -58,7 +58,11 @@ def parse_seeds(text: str, flag: str = "--seeds") -> list[int]:
     bad = [p for p in parts if not p.lstrip("-").isdigit()]
     if bad:
         raise FlowRLError(f"{flag} {text}: {bad[0]!r} is not a whole number; give comma-separated seeds such as 0,1,2,3")
-    return [int(p) for p in parts]
+    from .config import check_seeds
+
+    seeds = [int(p) for p in parts]
+    check_seeds(seeds, flag)
+    return seeds
 
 
 def _checkpoint_and_config(args, default_config: Path | None = None):

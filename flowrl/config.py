@@ -22,6 +22,17 @@ from .attention import ATTENTION_BACKENDS
 from .errors import ConfigError
 
 
+SEED_MAX = 2 ** 32 - 1  # train.seed: (seed, iteration) seeds a generator as seed * 1000003 + iteration, within 64 bits
+SAMPLE_SEED_MAX = 2 ** 63 - 1  # a sample seed seeds a generator on its own
+
+
+def check_seeds(seeds: list[int], key: str) -> None:
+    """Each seed a whole number in [0, 2^63 - 1], or one line naming the first that is not."""
+    bad = next((s for s in seeds if not 0 <= s <= SAMPLE_SEED_MAX), None)
+    if bad is not None:
+        raise ConfigError(f"{key}: seed {bad} is outside 0..{SAMPLE_SEED_MAX}; give seeds such as 0, 1, 2, 3")
+
+
 def opt(default, doc: str = "", *, lo=None, hi=None, lo_open: bool = False, choices=None):
     """A field with a default, a description and optional range / choice checks (``lo_open``: > lo, not >=)."""
     extra = None
@@ -93,7 +104,7 @@ class TinyModelConfig(Section):
     text_layers: int = opt(2, "layers of each tiny text encoder", lo=1)
     max_tokens: int = opt(16, "tokenizer length of the tiny text encoders", lo=4)
     shift: float = opt(1.0, "scheduler shift of the tiny model", lo=0.0, lo_open=True)
-    init_seed: int = opt(0, "seed of the random initialisation")
+    init_seed: int = opt(0, "seed of the random initialisation", lo=0, hi=SEED_MAX)
     experts: int = opt(1, "wan only: 2 builds Wan 2.2 A14B's layout, a high-noise and a low-noise transformer",
                        choices=[1, 2])
 
@@ -145,7 +156,8 @@ class SamplerConfig(Section):
     schedule: str = opt("diffusers", "sigma grid", choices=["diffusers", "static_shift", "dynamic_shift"])
     shift: float = opt(3.0, "shift for static_shift", lo=0.0, lo_open=True)
     kernel: str = opt("flow_grpo", "SDE step kernel", choices=["flow_grpo", "dance", "cps"])
-    noise_level: float = opt(0.7, "a for flow_grpo/cps, eta for dance", lo=0.0)
+    noise_level: float = opt(0.7, "a for flow_grpo/cps, eta for dance (published settings lie in 0.3..1)", lo=0.0,
+                             hi=2.0)
     guidance_scale: float = opt(1.0, "CFG scale in rollout and training (1 = off)", lo=0.0)
     negative_prompt: str = opt("", "negative prompt used with CFG")
     eval_num_steps: int = opt(10, "ODE steps for sample grids and evaluation", lo=1)
@@ -291,7 +303,7 @@ class TrainConfig(Section):
                                        lo=0.0, lo_open=True)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
     context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
-    seed: int = opt(0, "every random draw comes from a generator seeded by (seed, iteration)")
+    seed: int = opt(0, "every random draw comes from a generator seeded by (seed, iteration)", lo=0, hi=SEED_MAX)
 
 
 class RewardSpec(Section):
@@ -334,6 +346,8 @@ class LogConfig(Section):
                            "the best checkpoint and early stopping; empty = the evaluator's headline number")
     keep_best: bool = opt(True, "with log.eval_every: keep the weights of the best curve point in checkpoints/best "
                           "and end the run with them (the 'after' evaluation, the last grid)")
+    stop_without_signal: int = opt(5, "stop, in one line, after this many iterations in a row in which every "
+                                   "group's rewards were equal (nothing to learn); 0 = never", lo=0)
     early_stop_patience: int = opt(0, "stop after this many curve points in a row without a new best (0 = never)",
                                    lo=0)
     early_stop_drop: float = opt(0.0, "stop when a curve point falls this far below the best (e.g. 0.1 = 10 "
@@ -664,9 +678,13 @@ def validate(cfg: Config) -> None:
     if (cfg.log.early_stop_patience or cfg.log.early_stop_drop) and not (cfg.log.eval_every and cfg.log.eval != "none"):
         raise ConfigError("log.early_stop_patience / log.early_stop_drop watch the held-out curve; set log.eval (e.g. "
                           "shapes) and log.eval_every (e.g. 10)")
+    if cfg.rewards and all(r.weight == 0 for r in cfg.rewards):
+        raise ConfigError("rewards: every reward has weight 0, so the run has nothing to learn from; give one a "
+                          "non-zero weight (rewards[0].weight=1)")
     for key, seeds in (("data.sample_seeds", cfg.data.sample_seeds), ("log.eval_seeds", cfg.log.eval_seeds)):
         if not seeds:
             raise ConfigError(f"{key}: list at least one seed, e.g. [0, 1, 2, 3]")
+        check_seeds(seeds, key)
     m = cfg.model
     tiny = m.pretrained in (None, "", "tiny")
     from .registry import MODEL_NAMES

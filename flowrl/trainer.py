@@ -23,8 +23,9 @@ from tqdm.auto import tqdm
 from . import report
 from .algorithms import AlgorithmContext, make_algorithm
 from .attention import attention_kernels
-from .callbacks import HeldOutMonitor, MetricsWriter, RewardCurvePlot, TrackerLog
-from .checkpoint import find_checkpoint, find_resume_checkpoint, load_run_state, save_checkpoint
+from .callbacks import HeldOutMonitor, MetricsWriter, NoSignalStop, RewardCurvePlot, TrackerLog
+from .checkpoint import (checkpoint_is_lora, find_checkpoint, find_resume_checkpoint, load_run_state,
+                         save_checkpoint)
 from .config import Config
 from .distributed import Processes
 from .errors import ConfigError, FlowRLError, Stopped
@@ -81,6 +82,11 @@ class Trainer:
         self.algorithm.check_inputs(self.rewards, self.prompts)
         references = {name: find_checkpoint(path)  # a missing teacher fails before any work
                       for name, path in self.algorithm.reference_checkpoints().items()}
+        for name, ckpt in references.items():  # a teacher's layout must fit the student's weights
+            if checkpoint_is_lora(ckpt) and not cfg.train.lora.enabled:
+                raise ConfigError(f"{cfg.algorithm.name}: the reference {ckpt}{f' ({name})' if name else ''} holds "
+                                  "LoRA weights and this run trains every weight (train.lora.enabled=false); give a "
+                                  "full checkpoint, or train with LoRA of the teacher's layout")
         if cfg.train.fsdp.enabled:  # the mesh must fit the launch, the options the device
             from .sharding import check_options
 
@@ -98,6 +104,8 @@ class Trainer:
                                   f"train.iterations={cfg.train.iterations}; raise train.iterations to continue the run")
         self.folder = RunFolder(self.procs.broadcast(RunFolder.plan(cfg, config_name, run_dir, resume_ckpt).path))
         self.run_dir = self.folder.path
+        if resume_ckpt is not None and cfg.train.micro_batch == "auto":
+            self._saved_micro_batch(self.run_dir)  # a damaged micro_batch.json: one line before a model loads
         # --- the model, the policy and what trains it
         if cfg.train.fsdp.enabled:  # only the main process reads the trained transformer's weights
             from .models.common import sharded_loading
@@ -151,7 +159,8 @@ class Trainer:
             cfg.train.micro_batch = self._auto_micro_batch(resume_ckpt is not None)
         self.procs.barrier()
         self.callbacks = ([MetricsWriter()] + ([HeldOutMonitor(evaluator, cfg)] if evaluator is not None else [])
-                          + [RewardCurvePlot()] + ([TrackerLog()] if cfg.log.trackers else []))
+                          + [RewardCurvePlot()] + ([TrackerLog()] if cfg.log.trackers else [])
+                          + ([NoSignalStop(cfg.log.stop_without_signal)] if cfg.log.stop_without_signal else []))
         # the work spent so far (a resumed run continues its counts), in every row and curve point
         self.work = {"nfe_rollout_cum": 0, "rollouts_cum": 0, "seconds_cum": 0.0}
         rows = report.read_metrics(self.folder.metrics)
@@ -159,12 +168,30 @@ class Trainer:
             self.work = {k: rows[-1].get(k, 0) for k in self.work}
         self._stop_signal = None
 
+    @staticmethod
+    def _saved_micro_batch(run_dir: Path) -> int | None:
+        """The micro-batch a resumed run chose when it started (micro_batch.json), checked: a whole number >= 1,
+        or one line saying what to do."""
+        path = run_dir / "micro_batch.json"
+        if not path.is_file():
+            return None
+        try:
+            value = json.loads(path.read_text(encoding="utf-8"))["micro_batch"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"resume: {path} is unreadable ({type(exc).__name__}); delete it to choose the "
+                              "micro-batch again, or set train.micro_batch to the run's number") from exc
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"resume: {path} holds micro_batch={value!r}, not a whole number >= 1; delete it to "
+                              "choose the micro-batch again, or set train.micro_batch to the run's number")
+        return value
+
     def _auto_micro_batch(self, resuming: bool) -> int:
         """``train.micro_batch=auto``: the micro-batch chosen when the run started (micro_batch.json in the run
         folder), or, on a new run, the largest that flowrl memory's estimate fits in the device's memory."""
+        saved = self._saved_micro_batch(self.run_dir) if resuming else None
         path = self.run_dir / "micro_batch.json"
-        if resuming and path.is_file():
-            return int(json.loads(path.read_text())["micro_batch"])
+        if saved is not None:
+            return saved
         from .memory import auto_micro_batch
 
         chosen = None

@@ -51,6 +51,7 @@ def read_plan(path: Path) -> tuple[dict, list[PlannedRun]]:
     """The plan's settings and its runs, dependencies first; one-line errors for what is missing."""
     import yaml
 
+    from ..config import SEED_MAX
     from ..resources import find_config
 
     found = find_config(path)  # a file, or the shipped plan of that name (configs/benchmarks/ranked.yaml)
@@ -69,7 +70,10 @@ def read_plan(path: Path) -> tuple[dict, list[PlannedRun]]:
         if config is None:
             raise ConfigError(f"{path}: label {label!r}: no config {spec['config']}")
         for seed in spec.get("seeds", plan["seeds"]):
-            runs.append(PlannedRun(label, int(seed), str(config), list(spec.get("overrides", []))))
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+                raise ConfigError(f"{path}: label {label!r}: seed {seed!r} is not a whole number in 0..{SEED_MAX} "
+                                  "(train.seed's range)")
+            runs.append(PlannedRun(label, seed, str(config), list(spec.get("overrides", []))))
     names = {r.name for r in runs}
     for r in runs:
         missing = r.needs() - names
