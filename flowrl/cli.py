@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .cli_types import Parser, batch_size, positive_int, power_of_two
+from .cli_types import Parser, batch_size, port, positive_int, positive_number, power_of_two
 from .registry import COMMANDS, resolve
 from .errors import FlowRLError
 
@@ -647,8 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("name", help="registered reward name or module:function")
     sr.add_argument("--args", help="the reward's keyword arguments as a JSON object")
     sr.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 serves other machines)")
-    sr.add_argument("--port", type=int, default=8765, help="0 picks a free port (printed on the first line)")
-    sr.add_argument("--max-mb", type=float, default=64.0, help="largest request body accepted, in MiB")
+    sr.add_argument("--port", type=port, default=8765, help="0 picks a free port (printed on the first line)")
+    sr.add_argument("--max-mb", type=positive_number, default=64.0, help="largest request body accepted, in MiB")
     sr.set_defaults(func=cmd_serve_reward)
 
     for name in sorted(COMMANDS):  # commands that plug-ins register (the tiny demo's pretraining among them)

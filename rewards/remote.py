@@ -45,6 +45,25 @@ def decode_request(body: bytes) -> tuple[torch.Tensor, list[str], list[dict]]:
     return images, json.loads(meta.get("prompts", "[]")), json.loads(meta.get("metadata", "[]"))
 
 
+PIXEL_SLACK = 1e-3  # pixel values may stray this far outside [0, 1] (rounding in a client's conversion)
+
+
+def _request_problem(images: torch.Tensor, prompts, metadata) -> str | None:
+    """Why a decoded request cannot be scored (its shape, its pixel range, its prompt and metadata counts)."""
+    if images.ndim not in (4, 5) or images.shape[-3] != 3:
+        return f"images of shape {tuple(images.shape)}: send (N, 3, H, W) images or (N, F, 3, H, W) videos"
+    low, high = float(images.min()), float(images.max())
+    if low < -PIXEL_SLACK or high > 1 + PIXEL_SLACK:
+        return f"pixel values span {low:.4g}..{high:.4g}: send images in [0, 1]"
+    if not isinstance(prompts, list) or len(prompts) != images.shape[0]:
+        n = len(prompts) if isinstance(prompts, list) else type(prompts).__name__
+        return f"{images.shape[0]} images and {n} prompts: send one prompt per image"
+    if not isinstance(metadata, list) or len(metadata) not in (0, images.shape[0]):
+        n = len(metadata) if isinstance(metadata, list) else type(metadata).__name__
+        return f"{images.shape[0]} images and {n} metadata entries: send one per image, or none"
+    return None
+
+
 MAX_BODY_MB = 64  # a request carries a batch of images: 64 MiB is 2,000 512 px images in fp16
 READ_TIMEOUT_S = 30.0  # a client that claims more bytes than it sends is cut off after this
 
@@ -111,6 +130,11 @@ def make_server(name: str, args: dict | None = None, host: str = "127.0.0.1", po
                     f"hold {int((~torch.isfinite(images)).sum())} NaN or inf values"
                 self._reply(400, {"error": f"the images {bad}; send finite pixel values in [0, 1]"})
                 return
+            problem = _request_problem(images, prompts, metadata)
+            if problem:
+                self._reply(400, {"error": problem})
+                return
+            metadata = metadata or [{} for _ in prompts]
             try:
                 scores = torch.as_tensor(scorer(images, prompts, metadata), dtype=torch.float64).flatten().tolist()
             except Exception as exc:

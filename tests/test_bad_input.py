@@ -114,3 +114,39 @@ def test_a_lora_teacher_for_a_full_fine_tuning_student_is_one_line_before_the_mo
     with pytest.raises(ConfigError) as err:
         Trainer(cfg)
     assert "LoRA weights" in _one_line(err) and "train.lora.enabled=false" in str(err.value) and not loads
+
+
+# ------------------------------------------------------------------------------------------ C: the reward server
+@pytest.mark.parametrize("flag, value", [("--port", "99999"), ("--port", "-2"), ("--max-mb", "-1"),
+                                         ("--max-mb", "nan")])
+def test_serve_reward_refuses_an_impossible_port_or_size_in_one_line(flag, value):
+    done = subprocess.run([sys.executable, "-m", "flowrl", "serve-reward", "jpeg_compressibility", flag, value],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and flag in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("images, prompts, expect", [
+    (torch.full((2, 3, 8, 8), 255.0), ["a", "b"], "pixel values span"),
+    (torch.rand(2, 3, 8, 8), ["only one"], "2 images and 1 prompts"),
+    (torch.rand(2, 8, 8), ["a", "b"], "shape"),
+])
+def test_the_reward_server_scores_only_what_it_can_score(images, prompts, expect):
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from flowrl.rewards.remote import encode_request, make_server
+
+    calls = []
+    server = make_server("unused", port=0, scorer=lambda im, p, m: calls.append(len(p)) or torch.zeros(len(p)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/score"
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(urllib.request.Request(url, data=encode_request(images, prompts, None)), timeout=10)
+        assert err.value.code == 400 and expect in json.loads(err.value.read())["error"] and not calls
+        good = urllib.request.urlopen(urllib.request.Request(url, data=encode_request(torch.rand(2, 3, 8, 8), ["a", "b"],
+                                                                                      None)), timeout=10)
+        assert json.loads(good.read())["scores"] == [0.0, 0.0] and calls == [2]
+    finally:
+        server.shutdown()
