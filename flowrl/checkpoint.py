@@ -212,6 +212,19 @@ def _mismatch(ckpt: Path, cfg, detail: str) -> FlowRLError:
     return FlowRLError(f"{ckpt}: its weights do not fit this model; {why}")
 
 
+def lora_rank(ckpt_dir: Path) -> int | None:
+    """The LoRA rank of a checkpoint's LoRA file, from its safetensors header alone (None: no LoRA file, or no
+    lora_A tensor in it)."""
+    path = Path(ckpt_dir) / LORA_FILE
+    try:
+        with open(path, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+    except (OSError, ValueError):
+        return None
+    ranks = [v["shape"][0] for k, v in header.items() if "lora_A" in k and isinstance(v, dict) and v.get("shape")]
+    return ranks[0] if ranks else None
+
+
 def checkpoint_is_lora(ckpt_dir: Path) -> bool:
     return bool(json.loads((Path(ckpt_dir) / "state.json").read_text()).get("lora", True))
 

@@ -335,7 +335,7 @@ def cmd_eval(args) -> int:
     if not table_mode:
         result = evaluator(sampler, seeds, split=args.split)
         result.update(info)
-        print(json.dumps(result))
+        print(json.dumps(finite_json(result), allow_nan=False))
         return 0
     grid_prompts = min(len(prompts), 8)
     summary, samples, images = reward_table(sampler, prompts, metadata, seeds, reward_set, cfg.sampler.max_batch,
@@ -355,9 +355,23 @@ def cmd_eval(args) -> int:
                           for r in summary}}
     if args.group_by:  # a benchmark's own aggregate: the mean per task, and the overall mean of the task means
         report["groups"] = group_means(samples, prompts, metadata, args.group_by, [r["metric"] for r in summary])
-    atomic_write_bytes(out.with_suffix(".json"), (json.dumps(report, indent=1) + "\n").encode())
-    print(json.dumps({**report, "summary": str(out.with_suffix(".json"))}))
+    report = finite_json(report)
+    atomic_write_bytes(out.with_suffix(".json"), (json.dumps(report, indent=1, allow_nan=False) + "\n").encode())
+    print(json.dumps({**report, "summary": str(out.with_suffix(".json"))}, allow_nan=False))
     return 0
+
+
+def finite_json(obj):
+    """``obj`` with every NaN or infinite number replaced by None (strict JSON parsers refuse NaN)."""
+    import math
+
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
 
 
 def _table_inputs(args, cfg):
@@ -368,7 +382,19 @@ def _table_inputs(args, cfg):
     from .rewards import build_reward_set
     from .rundir import check_writable
 
-    check_writable(Path(args.csv), "--csv")
+    if args.csv is None:
+        import time
+
+        args.csv = f"eval-{time.strftime('%Y%m%d-%H%M%S')}.csv"
+    out = Path(args.csv)
+    if out.is_dir():
+        raise FlowRLError(f"--csv {out} is a folder; give a file name such as {out / 'eval.csv'}")
+    outputs = [out, out.with_suffix(".json"), out.with_name(out.stem + "_grid.png")] + (
+        [] if args.compare else [out.with_name(out.stem + "_samples.csv"), out.with_name(out.stem + "_prompts.csv")])
+    existing = next((o for o in outputs if o.exists()), None)
+    if existing is not None:
+        raise FlowRLError(f"--csv {out}: {existing} exists; choose a new name (an evaluation never replaces files)")
+    check_writable(out.parent, "--csv")
     if args.dataset:
         from .prompts import read_dataset
 
@@ -396,7 +422,15 @@ def _table_inputs(args, cfg):
         raise FlowRLError("--reward-args: one per --reward, in the same order")
     specs = ([RewardSpec(name=n, args=reward_args[i] if i < len(reward_args) else {}) for i, n in enumerate(names)]
              or cfg.rewards)
-    return prompts, metadata, build_reward_set(specs)
+    if getattr(args, "group_by", None):
+        missing = next((k for k, m in enumerate(metadata) if m.get(args.group_by) is None), None)
+        if missing is not None:
+            columns = sorted({c for m in metadata for c, v in m.items() if v is not None})
+            raise FlowRLError(f"--group-by {args.group_by}: prompt {missing} ({prompts[missing][:60]!r}) has no such "
+                              f"metadata column (the columns: {', '.join(columns) or 'none'})")
+    reward_set = build_reward_set(specs)
+    reward_set.check_metadata(prompts, metadata, "--dataset" if args.dataset else "prompts")
+    return prompts, metadata, reward_set
 
 
 def _eval_compare(args) -> int:
@@ -405,7 +439,7 @@ def _eval_compare(args) -> int:
     the first with its standard error; a CSV, a JSON summary and one grid with a column block per run."""
     import torch
 
-    from .checkpoint import find_checkpoint
+    from .checkpoint import find_checkpoint, lora_rank
     from .config import load_config
     from .evaluate import format_table, reward_table
     from .models import load_adapter
@@ -426,6 +460,11 @@ def _eval_compare(args) -> int:
         source = ckpt or base_ckpt
         cfg = load_config(args.config or source.parent.parent / "config.yaml", args.overrides)
         label = "base" if ckpt is None else Path(name).name
+        rank = lora_rank(ckpt) if ckpt is not None else None
+        if rank is not None and rank != cfg.train.lora.rank:  # known from the file's header: before any sampling
+            raise FlowRLError(f"--compare: {name} holds LoRA weights of rank {rank} and its config says "
+                              f"train.lora.rank={cfg.train.lora.rank}; leave out CONFIG so that each run uses its own, "
+                              f"or compare runs of one rank")
         entries.append((label, ckpt, cfg))
     prompts, metadata, reward_set = _table_inputs(args, entries[0][2])
     seeds = parse_seeds(args.seeds) if args.seeds else entries[0][2].log.eval_seeds
@@ -463,10 +502,10 @@ def _eval_compare(args) -> int:
     grid = out.with_name(out.stem + "_grid.png")  # one row per prompt: each run's seeds side by side
     save_grid(torch.cat(blocks, dim=1).reshape(grid_prompts * runs * s, *images.shape[1:]), runs * s, grid,
               row_labels=prompts[:grid_prompts], title=" | ".join(label for label, *_ in per_run))
-    report = {"runs": [label for label, *_ in per_run], "prompts": len(prompts), "seeds": seeds, "csv": str(out),
-              "grid": str(grid), "metrics": rows}
-    atomic_write_bytes(out.with_suffix(".json"), (json.dumps(report, indent=1) + "\n").encode())
-    print(json.dumps({**report, "summary": str(out.with_suffix(".json"))}))
+    report = finite_json({"runs": [label for label, *_ in per_run], "prompts": len(prompts), "seeds": seeds,
+                          "csv": str(out), "grid": str(grid), "metrics": rows})
+    atomic_write_bytes(out.with_suffix(".json"), (json.dumps(report, indent=1, allow_nan=False) + "\n").encode())
+    print(json.dumps({**report, "summary": str(out.with_suffix(".json"))}, allow_nan=False))
     return 0
 
 
@@ -633,8 +672,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "column (GenEval's per-task scores) and the mean of those means (its overall score)")
     e.add_argument("--reward", action="append", help="reward to score with (repeatable; default: the config's)")
     e.add_argument("--reward-args", action="append", help="JSON keyword arguments for the matching --reward")
-    e.add_argument("--csv", default="eval.csv", help="summary CSV; per-image scores go to <name>_samples.csv, the "
-                   "summary as JSON to <name>.json, a grid of the first 8 prompts x seeds to <name>_grid.png")
+    e.add_argument("--csv", default=None, help="summary CSV (default eval-<time>.csv; an existing file is never "
+                   "replaced); per-image scores go to <name>_samples.csv, the summary as JSON to <name>.json, a grid of "
+                   "the first 8 prompts x seeds to <name>_grid.png")
     e.set_defaults(func=cmd_eval)
     ps = sub.add_parser("presets", help="list the shipped configs (usable by name from any folder)")
     ps.set_defaults(func=cmd_presets)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -74,8 +75,33 @@ def read_dataset(name: str, split: str = "train", prompt_column: str = "prompt",
     """
     import datasets
 
+    with _quiet_datasets():  # its own log lines and bars would add to the one line an error gets
+        return _read_dataset(datasets, name, split, prompt_column, metadata_columns)
+
+
+@contextmanager
+def _quiet_datasets():
+    import logging
+
+    from datasets.utils import logging as ds_logging
+
+    logger = logging.getLogger("datasets")
+    level, bars = logger.level, ds_logging.is_progress_bar_enabled()
+    logger.setLevel(logging.CRITICAL)
+    ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if bars:
+            ds_logging.enable_progress_bar()
+
+
+def _read_dataset(datasets, name: str, split: str, prompt_column: str, metadata_columns) -> tuple[list[str], list[dict]]:
     path = Path(name)
     try:
+        if path.is_file() and path.stat().st_size == 0:
+            raise ConfigError(f"data.dataset: {path} is empty; give a file with a {prompt_column!r} column")
         if path.is_file():
             builder = DATASET_BUILDERS.get(path.suffix)
             if builder is None:
@@ -90,9 +116,13 @@ def read_dataset(name: str, split: str = "train", prompt_column: str = "prompt",
             table = datasets.load_dataset(str(path) if path.is_dir() else name, split=split)
     except ConfigError:
         raise
-    except (FileNotFoundError, ValueError, KeyError, ConnectionError) as exc:
-        raise ConfigError(f"data.dataset: cannot read {name!r} split {split!r} ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else exc!r})") from exc
+    except Exception as exc:  # noqa: BLE001 (datasets wraps a reader's error in its own; the cause says what is wrong)
+        cause = exc
+        while type(cause).__name__ == "DatasetGenerationError" and cause.__cause__ is not None:
+            cause = cause.__cause__
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise ConfigError(f"data.dataset: cannot read {name!r} split {split!r} ({type(cause).__name__}: "
+                          f"{first[:300]})") from exc
     columns = list(table.column_names)
     if prompt_column not in columns:
         raise ConfigError(f"data.prompt_column: {name} has no column {prompt_column!r} (its columns: "

@@ -80,6 +80,7 @@ class Trainer:
         evaluator = resolve(EVALUATORS, cfg.log.eval, "log.eval")() if cfg.log.eval != "none" else None
         self.algorithm = make_algorithm(cfg)
         self.algorithm.check_inputs(self.rewards, self.prompts)
+        self.rewards.check_metadata(self.prompts.prompts, self.prompts.metadata)  # e.g. GenEval's clauses
         references = {name: find_checkpoint(path)  # a missing teacher fails before any work
                       for name, path in self.algorithm.reference_checkpoints().items()}
         for name, ckpt in references.items():  # a teacher's layout must fit the student's weights

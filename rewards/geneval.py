@@ -124,6 +124,38 @@ def check(objects: dict[str, list[Detection]], metadata: dict,
     return not reasons, reasons, (held / clauses if clauses else math.nan)
 
 
+RELATIONS = ("left of", "right of", "above", "below")
+
+
+def metadata_problem(metadata: dict) -> str | None:
+    """Why a prompt's GenEval metadata cannot be checked (None: it can): ``include`` / ``exclude`` lists of clauses,
+    each with a class name and a whole ``count`` >= 1, an optional colour name, and an include clause's optional
+    ``position`` [relation, index of an earlier include clause]."""
+    if not isinstance(metadata, dict):
+        return f"metadata is {type(metadata).__name__}, not a mapping"
+    clauses = {key: metadata.get(key) or [] for key in ("include", "exclude")}
+    for key, items in clauses.items():
+        if not isinstance(items, list):
+            return f"{key} is {type(items).__name__}, not a list of clauses"
+        for k, clause in enumerate(items):
+            where = f"{key}[{k}]"
+            if not isinstance(clause, dict) or not isinstance(clause.get("class"), str) or not clause["class"].strip():
+                return f"{where} needs a 'class' name"
+            count = clause.get("count")
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                return f"{where} needs a whole 'count' >= 1 (it has {count!r})"
+            if "color" in clause and not (isinstance(clause["color"], str) and clause["color"].strip()):
+                return f"{where}: 'color' must be a colour name"
+            if "position" in clause:
+                pos = clause["position"]
+                if key == "exclude" or not (isinstance(pos, list) and len(pos) == 2 and pos[0] in RELATIONS
+                                            and isinstance(pos[1], int) and not isinstance(pos[1], bool)
+                                            and 0 <= pos[1] < len(clauses["include"]) and pos[1] != k):
+                    return (f"{where}: 'position' must be [relation, index of another include clause] with a relation "
+                            f"in {', '.join(RELATIONS)} (it is {pos!r})")
+    return None
+
+
 def classes_of(metadata: dict) -> list[str]:
     """The object classes a prompt's clauses name (the detector's text queries)."""
     names = [r["class"] for r in (metadata.get("include") or []) + (metadata.get("exclude") or [])]
@@ -210,6 +242,11 @@ class GenEvalReward:
         self.colors = ColorClassifier(ClipScore(model=clip_model, pretrained=clip_pretrained, device=device))
         self.score, self.device = score, torch.device(device)
         self.threshold, self.counting_threshold = threshold, counting_threshold
+
+    @staticmethod
+    def metadata_problem(metadata: dict) -> str | None:
+        """Checked for every training and evaluation prompt when the prompts load (:func:`metadata_problem`)."""
+        return metadata_problem(metadata)
 
     def detect(self, image, names: list[str]) -> list[Detection]:
         """Detections of the named classes in one (3, H, W) image in [0, 1]."""

@@ -145,6 +145,8 @@ class RewardSet:
                 raise RewardError(f"reward {name!r} returned shape {tuple(scores.shape)}; it must return one score "
                                   f"per image, shape ({n},)")
             bad = ~torch.isfinite(scores)
+            low, high = getattr(fn, "score_range", None) or (-math.inf, math.inf)
+            bad |= (scores < low) | (scores > high)  # outside what the reward can give: masked and counted
             invalid |= bad
             components[name] = scores
             total += weight * torch.where(bad, torch.zeros_like(scores), scores)
@@ -156,6 +158,19 @@ class RewardSet:
                 raise RewardError(f"the image embedder returned shape {tuple(features.shape)}; it must return one "
                                   f"vector per image, shape ({n}, D)")
         return RewardScores(total.float(), {k: v.float() for k, v in components.items()}, invalid, features)
+
+    def check_metadata(self, prompts: list[str], metadata: list[dict], where: str = "data") -> None:
+        """Every prompt's metadata as each reward that reads it requires (a reward's ``metadata_problem(meta)``:
+        None, or why not), checked when the prompts load; one line naming the first prompt that fails."""
+        for name, _, fn in self.items:
+            check = getattr(fn, "metadata_problem", None)
+            if not callable(check):
+                continue
+            for k, (prompt, meta) in enumerate(zip(prompts, metadata)):
+                problem = check(meta)
+                if problem:
+                    raise RewardError(f"{where}: prompt {k} ({prompt[:60]!r}) has metadata the {name} reward cannot "
+                                      f"use: {problem}")
 
     def not_differentiable(self) -> list[str]:
         """The names of the rewards that cannot pass a gradient back to the images (empty: all can)."""

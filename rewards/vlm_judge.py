@@ -5,6 +5,8 @@ Each image goes out as a base64 PNG inside one user message with the question; t
 
 - ``template: quality`` asks for a 1-10 score of how well the image matches the prompt and its quality; the score
   is the number the answer gives (``Score: 7``, ``7/10`` or a lone ``7``), divided by ``scale`` (10 gives [0, 1]);
+  an answer outside 1..10 is a failed answer, not a score (``answer_range`` sets the range of a template of your
+  own);
 - ``template: yes_no`` asks a yes/no question (GenEval-style: ``metadata["question"]``, else "Does this image show
   {prompt}?"); yes scores 1, no scores 0;
 - any other string is a template of its own, with ``{prompt}`` (and ``{question}``) filled in, parsed as a score.
@@ -92,7 +94,7 @@ class VLMJudge:
     def __init__(self, url: str = "http://127.0.0.1:8000/v1", model: str = "default", template: str = "quality",
                  scale: float | None = None, max_concurrency: int = 8, timeout: float = 60.0, retries: int = 2,
                  on_failure: str = "mask", api_key_env: str = "OPENAI_API_KEY", max_tokens: int = 16,
-                 temperature: float = 0.0):
+                 temperature: float = 0.0, answer_range: list[float] | None = None):
         if on_failure not in ("mask", "fail"):
             raise RewardError(f"vlm_judge: on_failure must be mask or fail, not {on_failure!r}")
         if max_concurrency < 1 or retries < 0 or timeout <= 0:
@@ -102,6 +104,11 @@ class VLMJudge:
         self.template = TEMPLATES.get(template, template)
         self.parse = parse_yes_no if template == "yes_no" else parse_score
         self.scale = scale if scale is not None else (10.0 if template == "quality" else 1.0)
+        # the numbers an answer may give (the template's own scale); outside it the answer fails like an unreadable one
+        default_range = {"quality": (1.0, 10.0), "yes_no": (0.0, 1.0)}.get(template)
+        self.answer_range = tuple(answer_range) if answer_range is not None else default_range
+        if self.answer_range is not None and (len(self.answer_range) != 2 or self.answer_range[0] > self.answer_range[1]):
+            raise RewardError(f"vlm_judge: answer_range must be [low, high] with low <= high, not {answer_range!r}")
         self.max_concurrency, self.timeout, self.retries = max_concurrency, timeout, retries
         self.on_failure, self.api_key = on_failure, os.environ.get(api_key_env)
         self.max_tokens, self.temperature = max_tokens, temperature
@@ -142,7 +149,11 @@ class VLMJudge:
         body = json.dumps({"model": self.model, "messages": [message], "max_tokens": self.max_tokens,
                            "temperature": self.temperature}).encode()
         try:
-            return self.parse(self._post(body)) / self.scale
+            value = self.parse(self._post(body))
+            if self.answer_range is not None and not self.answer_range[0] <= value <= self.answer_range[1]:
+                low, high = self.answer_range
+                raise JudgeFailure(f"the answer gives {value:g}, outside the template's {low:g}..{high:g}")
+            return value / self.scale
         except JudgeFailure as exc:
             if self.on_failure == "fail":
                 raise RewardError(f"vlm_judge: {exc}") from exc

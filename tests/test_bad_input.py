@@ -150,3 +150,139 @@ def test_the_reward_server_scores_only_what_it_can_score(images, prompts, expect
         assert json.loads(good.read())["scores"] == [0.0, 0.0] and calls == [2]
     finally:
         server.shutdown()
+
+
+# ------------------------------------------------------------------------------------------ F: datasets
+@pytest.mark.parametrize("name, content, expect", [
+    ("empty.jsonl", "", "is empty"),
+    ("empty.csv", "", "is empty"),
+    ("bad.jsonl", '{"prompt": "a cat"}\n{"prompt": "a dog"\n{"prompt": "x"}\n', "JSON parse error"),
+    ("broken.parquet", None, "Parquet magic bytes"),
+])
+def test_a_damaged_dataset_is_one_line_naming_its_cause(tmp_path, capfd, name, content, expect):
+    from flowrl.prompts import read_dataset
+
+    path = tmp_path / name
+    if content is None:  # a parquet file whose footer is cut off
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"prompt": ["a", "b"]}), path)
+        path.write_bytes(path.read_bytes()[:-20])
+    else:
+        path.write_text(content)
+    capfd.readouterr()
+    with pytest.raises(ConfigError) as err:
+        read_dataset(str(path))
+    assert expect in _one_line(err) and _one_line(err).startswith("data.dataset")
+    assert capfd.readouterr().err == ""  # the datasets library's own log lines and bars are kept quiet
+
+
+# ------------------------------------------------------------------------------------------ G: evaluation
+def _eval(args, capsys):
+    from flowrl.cli import main
+
+    code = main(["eval", "configs/tiny_flow_grpo.yaml", "log.progress=false", *args])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_eval_refuses_before_sampling_a_missing_group_column_an_existing_output_or_a_folder(tmp_path, capsys,
+                                                                                           monkeypatch):
+    from flowrl import cli
+
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "a red circle", "tag": "colors"}\n{"prompt": "a blue square"}\n')
+    loads = []
+    monkeypatch.setattr("flowrl.models.load_adapter", lambda *a, **k: loads.append(a))
+    common = ["--dataset", str(data), "--reward", "jpeg_incompressibility", "--seeds", "0"]
+    code, err = _eval([*common, "--group-by", "tag", "--csv", str(tmp_path / "e.csv")], capsys)
+    assert code == 2 and len(err) == 1 and "prompt 1" in err[0] and "the columns: tag" in err[0]
+    (tmp_path / "old.csv").write_text("metric,mean\n")
+    code, err = _eval([*common, "--csv", str(tmp_path / "old.csv")], capsys)
+    assert code == 2 and len(err) == 1 and "exists; choose a new name" in err[0]
+    assert (tmp_path / "old.csv").read_text() == "metric,mean\n"
+    code, err = _eval([*common, "--csv", str(tmp_path)], capsys)
+    assert code == 2 and len(err) == 1 and "is a folder" in err[0]
+    assert not loads and cli  # nothing was sampled
+
+
+def test_eval_writes_strict_json_where_a_metric_is_nan(tmp_path, capsys):
+    from flowrl.cli import finite_json
+
+    assert finite_json({"a": float("nan"), "b": [1.0, float("inf")], "c": "x"}) == {"a": None, "b": [1.0, None], "c": "x"}
+    code, _ = _eval(["--prompts", str(_prompt_file(tmp_path)), "--reward", "tests.helpers:half_nan", "--seeds", "0",
+                     "--steps", "2", "--csv", str(tmp_path / "e.csv")], capsys)
+    assert code == 0
+    json.loads((tmp_path / "e.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+
+
+def _prompt_file(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("a red circle on a blue background\n")
+    return path
+
+
+def test_compare_refuses_a_run_of_another_lora_rank_before_evaluating_any(tmp_path, capsys, monkeypatch):
+    from flowrl.trainer import Trainer
+
+    runs = []
+    for rank in (4, 8):
+        runs.append(Trainer(load_config("configs/tiny_flow_grpo.yaml", [
+            *FAST, "train.iterations=1", f"train.lora.rank={rank}", f"log.output_dir={tmp_path}",
+            f"log.run_name=r{rank}"])).train())
+    sampled = []
+    monkeypatch.setattr("flowrl.evaluate.reward_table", lambda *a, **k: sampled.append(a))
+    from flowrl.cli import main
+
+    code = main(["eval", "configs/tiny_flow_grpo.yaml", "train.lora.rank=4", "--compare", str(runs[0]), str(runs[1]),
+                 "--prompts", str(_prompt_file(tmp_path)), "--reward", "jpeg_incompressibility",
+                 "--csv", str(tmp_path / "c.csv")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "rank 8" in err[0] and not sampled
+
+
+# ------------------------------------------------------------------------------------------ H: reward ranges
+def test_geneval_metadata_is_checked_when_the_prompts_load():
+    from flowrl.rewards.geneval import metadata_problem
+    from flowrl.rewards.registry import RewardError, RewardSet
+
+    good = {"tag": "position", "include": [{"class": "cat", "count": 1},
+                                           {"class": "dog", "count": 1, "position": ["left of", 0]}]}
+    assert metadata_problem(good) is None and metadata_problem({}) is None  # no clauses: scored NaN, masked
+    assert "count" in metadata_problem({"include": [{"class": "cat"}]})
+    assert "count" in metadata_problem({"include": [{"class": "cat", "count": -3}]})
+    assert "position" in metadata_problem({"include": [{"class": "cat", "count": 1, "position": ["near", 0]}]})
+
+    geneval_rule = metadata_problem
+
+    class Checks:  # a reward that declares what metadata it needs, as the geneval reward does
+        metadata_problem = staticmethod(geneval_rule)
+
+        def __call__(self, images, prompts, metadata=None):
+            return torch.zeros(len(images))
+
+    rewards = RewardSet([("geneval", 1.0, Checks())])
+    rewards.check_metadata(["a cat and a dog"], [good])
+    with pytest.raises(RewardError) as err:
+        rewards.check_metadata(["a cat", "three cats"], [good, {"include": [{"class": "cat", "count": -3}]}])
+    assert "prompt 1" in _one_line(err) and "geneval" in str(err.value)
+
+
+def test_scores_outside_a_reward_s_declared_range_are_masked_and_a_judge_s_out_of_scale_answer_fails():
+    from flowrl.rewards.registry import RewardSet
+    from flowrl.rewards.vlm_judge import VLMJudge
+
+    class Bounded:
+        score_range = (0.0, 1.0)
+
+        def __call__(self, images, prompts, metadata=None):
+            return torch.tensor([0.5, 9999.9, -2.0])
+
+    out = RewardSet([("bounded", 1.0, Bounded())])(torch.rand(3, 3, 8, 8), ["a", "b", "c"])
+    assert out.invalid.tolist() == [False, True, True] and out.total[0] == 0.5 and out.total[1:].isnan().all()
+    judge = VLMJudge(url="http://127.0.0.1:9/v1", retries=0)
+    judge._post = lambda body: "Score: 99999"
+    assert judge.judge(torch.rand(3, 8, 8), "a cat", {}) != judge.judge(torch.rand(3, 8, 8), "a cat", {})  # NaN
+    assert judge.failures == 2
+    judge._post = lambda body: "Score: 7"
+    assert judge.judge(torch.rand(3, 8, 8), "a cat", {}) == pytest.approx(0.7)
