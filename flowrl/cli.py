@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .cli_types import Parser, batch_size, port, positive_int, positive_number, power_of_two
 from .registry import COMMANDS, resolve
-from .errors import FlowRLError
+from .errors import ConfigError, FlowRLError
 
 
 def _load(config: str | None, overrides: list[str]):
@@ -748,7 +748,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except FlowRLError as exc:
         kind = "stopped" if getattr(exc, "exit_code", 2) != 2 else "error"
-        print(f"flowrl: {kind}: {exc}", file=sys.stderr)
+        launched_rank = int(os.environ.get("RANK", "0") or 0) if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else 0
+        if not (isinstance(exc, ConfigError) and launched_rank):  # every process refuses alike: the main one says so
+            print(f"flowrl: {kind}: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", 2)
     except KeyboardInterrupt:
         print("flowrl: interrupted", file=sys.stderr)

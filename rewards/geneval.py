@@ -233,6 +233,9 @@ class GenEvalReward:
 
         if score not in ("strict", "partial"):
             raise RewardError(f"geneval reward: score must be strict or partial, not {score!r}")
+        from .loading import resolve_pretrained_dir
+
+        detector = resolve_pretrained_dir("geneval reward", detector, "the detector's config, weights and processor")
         try:
             self.processor = AutoProcessor.from_pretrained(detector)
             self.detector = AutoModelForZeroShotObjectDetection.from_pretrained(detector).to(device).eval()

@@ -22,6 +22,22 @@ def hub_offline() -> bool:
                for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "FLOWRL_OFFLINE"))
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub (``HF_ENDPOINT``) accepts a connection within ``timeout`` seconds: checked
+    before a download, so that a machine without a network is told at once instead of after the hub client's
+    retries (minutes)."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def _looks_like_repo_id(name: str) -> bool:
     return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
 
@@ -70,9 +86,10 @@ def resolve_pretrained_dir(reward: str, name_or_path: str, needed: str = "config
         return snapshot_download(name_or_path, local_files_only=True)
     except Exception:
         pass
-    if hub_offline():
+    if hub_offline() or not hub_reachable():
+        why = "the hub is off (HF_HUB_OFFLINE)" if hub_offline() else "the hub cannot be reached from this machine"
         raise RewardError(f"{reward}: needs the Hugging Face repository {name_or_path} ({needed}), which is not in the "
-                          f"local cache and the hub is off (HF_HUB_OFFLINE); download it where the hub is reachable "
+                          f"local cache and {why}; download it where the hub is reachable "
                           f"(`hf download {name_or_path}`) and pass its local folder instead")
     return name_or_path  # from_pretrained downloads it; its own error names the repository
 

@@ -286,3 +286,30 @@ def test_scores_outside_a_reward_s_declared_range_are_masked_and_a_judge_s_out_o
     assert judge.failures == 2
     judge._post = lambda body: "Score: 7"
     assert judge.judge(torch.rand(3, 8, 8), "a cat", {}) == pytest.approx(0.7)
+
+
+# ------------------------------------------------------------------------------------------ smaller
+def test_a_reward_model_the_hub_cannot_serve_is_refused_at_once(monkeypatch):
+    """No network (an endpoint that refuses connections): a detector by hub id not in the cache is one line
+    before the hub client's retries, not minutes later."""
+    from flowrl.rewards.geneval import GenEvalReward
+    from flowrl.rewards.loading import hub_reachable
+    from flowrl.rewards.registry import RewardError
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    for flag in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "FLOWRL_OFFLINE"):  # the hub allowed, but unreachable
+        monkeypatch.delenv(flag, raising=False)
+    assert not hub_reachable()
+    with pytest.raises(RewardError) as err:
+        GenEvalReward(detector="someone/a-detector-nobody-cached")
+    assert "cannot be reached" in _one_line(err) and "hf download someone/a-detector-nobody-cached" in str(err.value)
+
+
+def test_only_the_main_process_prints_a_config_refusal_under_a_launcher(monkeypatch, capsys):
+    from flowrl.cli import main
+
+    for rank, printed in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", rank)
+        assert main(["train", "configs/tiny_flow_grpo.yaml", "train.seed=-1"]) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == printed
