@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 
 
-def positive_int(text: str) -> int:
+def _number(text: str, kind=int):
     try:
-        value = int(text)
+        return kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole number' if kind is int else 'number'}") from None
+
+
+def positive_int(text: str) -> int:
+    value = _number(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
@@ -17,21 +21,15 @@ def positive_int(text: str) -> int:
 
 def port(text: str) -> int:
     """A TCP port: 0 (any free one) to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    value = _number(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a port: give 1..65535, or 0 for any free port")
     return value
 
 
 def positive_number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value > 0 and value < float("inf")):
+    value = _number(text, float)
+    if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"{value} must be a positive number")
     return value
 
@@ -49,10 +47,7 @@ def power_of_two(text: str) -> int:
 
 
 def unit_interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _number(text, float)
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"{value} must lie strictly between 0 and 1")
     return value

@@ -82,19 +82,33 @@ def test_a_run_whose_groups_never_differ_stops_in_one_line(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ J: micro_batch.json
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory):
+    """One finished iteration of a run with train.micro_batch=auto (trained once for the cases below)."""
+    from flowrl.trainer import Trainer
+
+    out = tmp_path_factory.mktemp("auto")
+    Trainer(load_config("configs/tiny_flow_grpo.yaml", [*FAST, f"log.output_dir={out}", "log.run_name=auto",
+                                                        "train.micro_batch=auto", "train.iterations=1"])).train()
+    return out / "auto"
+
+
 @pytest.mark.parametrize("content", ['{"micro_batch": ', '{"micro_batch": "four"}', '{"micro_batch": -5}',
                                      "\x00\x01\x02binary", '{"micro_batch": true}'])
-def test_a_damaged_micro_batch_file_is_one_line_before_the_model_loads(tmp_path, content, monkeypatch):
+def test_a_damaged_micro_batch_file_is_one_line_before_the_model_loads(tmp_path, content, monkeypatch, auto_run):
+    import shutil
+
     from flowrl import trainer as trainer_module
     from flowrl.trainer import Trainer
 
-    common = [*FAST, f"log.output_dir={tmp_path}", "log.run_name=auto", "train.micro_batch=auto", "log.save_every=1"]
-    Trainer(load_config("configs/tiny_flow_grpo.yaml", [*common, "train.iterations=1"])).train()
+    shutil.copytree(auto_run, tmp_path / "auto")
     (tmp_path / "auto/micro_batch.json").write_text(content)
     loads = []
     monkeypatch.setattr(trainer_module, "load_adapter", lambda *a, **k: loads.append(a))
     with pytest.raises(ConfigError) as err:
-        Trainer(load_config("configs/tiny_flow_grpo.yaml", [*common, "train.iterations=2", "resume=latest"]))
+        Trainer(load_config("configs/tiny_flow_grpo.yaml", [*FAST, f"log.output_dir={tmp_path}", "log.run_name=auto",
+                                                            "train.micro_batch=auto", "train.iterations=2",
+                                                            "resume=latest"]))
     assert "micro_batch.json" in _one_line(err) and not loads
 
 

@@ -178,16 +178,31 @@ def test_a_flipped_byte_in_saved_weights_is_caught_before_any_weight_is_used(tmp
     assert [r["iteration"] for r in rows] == [0, 1, 2] and all(r["reward_mean/total"] == r["reward_mean/total"] for r in rows)
 
 
+SHARDED = ["train.prompts_per_iter=2", "log.sample_every=0", "log.progress=false", "log.eval=none", "log.save_every=1",
+           "train.fsdp.enabled=true", "log.run_name=r"]
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """Two iterations of a sharded (FSDP, one process) run with a checkpoint after each, trained once."""
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    out = tmp_path_factory.mktemp("sharded")
+    Trainer(load_config("configs/tiny_flow_grpo.yaml", [*SHARDED, f"log.output_dir={out}", "train.iterations=2"])).train()
+    return out / "r"
+
+
 @pytest.mark.parametrize("damage", ["cut a shard", "delete a shard", "cut the metadata"])
-def test_a_damaged_sharded_checkpoint_is_named_and_the_newest_intact_one_resumes(tmp_path, capsys, damage):
+def test_a_damaged_sharded_checkpoint_is_named_and_the_newest_intact_one_resumes(tmp_path, capsys, damage,
+                                                                                 sharded_run):
     import json
+    import shutil
 
     from flowrl.config import load_config
     from flowrl.trainer import Trainer
 
-    common = ["train.prompts_per_iter=2", f"log.output_dir={tmp_path}", "log.run_name=r", "log.sample_every=0",
-              "log.progress=false", "log.eval=none", "log.save_every=1", "train.fsdp.enabled=true"]
-    Trainer(load_config("configs/tiny_flow_grpo.yaml", [*common, "train.iterations=2"])).train()
+    shutil.copytree(sharded_run, tmp_path / "r")
     sharded = tmp_path / "r/checkpoints/iter_00001/sharded"
     shard = sorted(sharded.glob("*.distcp"))[0]
     if damage == "cut a shard":
@@ -198,7 +213,8 @@ def test_a_damaged_sharded_checkpoint_is_named_and_the_newest_intact_one_resumes
         meta = sharded / ".metadata"
         meta.write_bytes(meta.read_bytes()[:40])
     capsys.readouterr()
-    Trainer(load_config("configs/tiny_flow_grpo.yaml", [*common, "train.iterations=3", "resume=latest"])).train()
+    Trainer(load_config("configs/tiny_flow_grpo.yaml", [*SHARDED, f"log.output_dir={tmp_path}", "train.iterations=3",
+                                                        "resume=latest"])).train()
     err = capsys.readouterr().err
     assert "checkpoint iter_00001 is damaged" in err and "using iter_00000" in err and "Traceback" not in err
     rows = [json.loads(line) for line in (tmp_path / "r/metrics.jsonl").read_text().splitlines()]
