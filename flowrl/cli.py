@@ -53,14 +53,22 @@ def cmd_train(args) -> int:
 
 
 def parse_seeds(text: str, flag: str = "--seeds") -> list[int]:
-    """``0,1,2`` -> [0, 1, 2]; anything else is one line naming the part that is not a whole number."""
-    parts = [p.strip() for p in text.split(",")]
-    bad = [p for p in parts if not p.lstrip("-").isdigit()]
-    if bad:
-        raise FlowRLError(f"{flag} {text}: {bad[0]!r} is not a whole number; give comma-separated seeds such as 0,1,2,3")
+    """``0,1,2`` -> [0, 1, 2]; ``16-31`` -> 16, 17, ..., 31 (ranges and single seeds may mix: ``0,4-6``); anything
+    else is one line naming the part that is not a seed or a range."""
+    seeds = []
+    for part in (p.strip() for p in text.split(",")):
+        first, dash, last = part.partition("-")
+        if part.isdigit():
+            seeds.append(int(part))
+        elif dash and first.isdigit() and last.isdigit() and int(first) <= int(last):
+            if int(last) - int(first) >= 100_000:
+                raise FlowRLError(f"{flag} {text}: the range {part} holds over 100,000 seeds; give a shorter one")
+            seeds += range(int(first), int(last) + 1)
+        else:
+            raise FlowRLError(f"{flag} {text}: {part!r} is neither a seed nor a range; give seeds such as 0,1,2,3 or "
+                              "16-31")
     from .config import check_seeds
 
-    seeds = [int(p) for p in parts]
     check_seeds(seeds, flag)
     return seeds
 
@@ -139,9 +147,9 @@ def cmd_sample(args) -> int:
         tuned = Sampler(cfg, adapter, num_steps=args.steps)(prompts, seeds)
         images = side_by_side(base, tuned, len(seeds))  # each row: base seeds | fine-tuned seeds
         title = f"left {len(seeds)}: base | right {len(seeds)}: {ckpt.parent.parent.name}/{ckpt.name}"
-        seeds = seeds * 2
-    save_grid(images, len(seeds), out, row_labels=prompts, title=title)
-    print(json.dumps({"grid": str(out), "prompts": len(prompts), "seeds": len(seeds),
+    columns = len(seeds) * (2 if ckpt is not None else 1)  # with a checkpoint: the base's seeds, then the tuned's
+    save_grid(images, columns, out, row_labels=prompts, title=title)
+    print(json.dumps({"grid": str(out), "prompts": len(prompts), "seeds": seeds, "columns": columns,
                       "checkpoint": str(ckpt) if ckpt else None}))
     return 0
 
@@ -566,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--iteration", type=int, help="with a run directory: the checkpoint saved after this iteration")
     s.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     s.add_argument("--prompt", action="append", help="prompt (repeatable); default: the config's sample prompts")
-    s.add_argument("--seeds", help="comma-separated seeds")
+    s.add_argument("--seeds", help="comma-separated seeds and ranges: 0,1,2 or 16-31")
     s.add_argument("--steps", type=int, help="ODE steps (default sampler.eval_num_steps)")
     s.add_argument("--out", default="samples.png", help="the grid image (PNG; a video model also writes .gif and .mp4)")
     s.set_defaults(func=cmd_sample)
@@ -655,7 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--split", default="heldout",
                    help="heldout or train: the captions the config's evaluator (log.eval) holds out or trains on; or "
                         "a prompt set by name")
-    e.add_argument("--seeds", help="comma-separated seeds (default log.eval_seeds)")
+    e.add_argument("--seeds", help="comma-separated seeds and ranges, 0,1,2 or 16-31 (default log.eval_seeds)")
     e.add_argument("--steps", type=int, help="ODE steps (default sampler.eval_num_steps)")
     e.add_argument("--cfg", type=float, help="guidance scale (default sampler.guidance_scale)")
     e.add_argument("--prompts", help="prompt file (.txt one per line, or .jsonl with 'prompt' and metadata): "

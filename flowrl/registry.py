@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
+import sys
 from typing import Any
 
 from .errors import ConfigError
@@ -52,10 +54,23 @@ MODEL_NAMES: dict[str, Any] = {"tiny-shapes": "flowrl.shapes.image_model:load_ti
                                "random-sd3.5-medium-shrunk": "flowrl.models.published:random_sd35_medium_shrunk"}
 
 
+def import_plugin(module: str):
+    """``importlib.import_module``, with the current folder searched last, as ``python -m`` searches it: a
+    ``my_rewards.py`` beside the shell resolves as ``my_rewards`` from the ``flowrl`` command too."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        here = os.getcwd()
+        if exc.name != module.split(".")[0] or here in sys.path or "" in sys.path:
+            raise
+        sys.path.append(here)
+        return importlib.import_module(module)
+
+
 def _import(path: str, what: str):
     module, _, attr = path.partition(":")
     try:
-        obj = importlib.import_module(module)
+        obj = import_plugin(module)
     except ImportError as exc:
         raise ConfigError(f"{what}: cannot import module {module!r} ({exc})") from exc
     if attr and not hasattr(obj, attr):

@@ -29,9 +29,11 @@ def register_reward(name: str):
 
 
 def _load_user_function(spec: str) -> Callable:
+    from flowrl.registry import import_plugin
+
     module_name, _, attr = spec.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        module = import_plugin(module_name)
     except ImportError as exc:
         raise RewardError(f"reward {spec!r}: cannot import module {module_name!r} ({exc})") from exc
     if not hasattr(module, attr):

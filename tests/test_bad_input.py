@@ -327,3 +327,16 @@ def test_only_the_main_process_prints_a_config_refusal_under_a_launcher(monkeypa
         monkeypatch.setenv("RANK", rank)
         assert main(["train", "configs/tiny_flow_grpo.yaml", "train.seed=-1"]) == 2
         assert len(capsys.readouterr().err.strip().splitlines()) == printed
+
+
+def test_seed_lists_take_ranges_and_sample_reports_the_seeds_it_drew(tmp_path, capsys):
+    from flowrl.cli import main, parse_seeds
+
+    assert parse_seeds("16-19") == [16, 17, 18, 19] and parse_seeds("0,4-6,9") == [0, 4, 5, 6, 9]
+    for bad in ("5-2", "1-x", "1,,2", "0-9999999"):
+        with pytest.raises(FlowRLError):
+            parse_seeds(bad)
+    assert main(["sample", "configs/tiny_flow_grpo.yaml", "log.progress=false", "--prompt", "a red circle",
+                 "--seeds", "0-2", "--steps", "2", "--out", str(tmp_path / "g.png")]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["seeds"] == [0, 1, 2] and report["columns"] == 3

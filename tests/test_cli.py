@@ -41,7 +41,8 @@ def test_sample_base_and_checkpoint(run_dirs, tmp_path, capsys):
     code = main(["sample", "--checkpoint", str(run_dirs[0]), "--seeds", "0,1", "--prompt", "a red circle on a blue background",
                  "--out", str(out)])
     assert code == 0 and out.is_file()
-    assert json.loads(capsys.readouterr().out)["seeds"] == 4  # base | fine-tuned, side by side
+    report = json.loads(capsys.readouterr().out)
+    assert report["seeds"] == [0, 1] and report["columns"] == 4  # base | fine-tuned, side by side
 
 
 def test_compare_with_seed_band(run_dirs, tmp_path, capsys):

@@ -242,3 +242,30 @@ def test_the_model_family_example_samples_on_its_own_grid(examples_path):
     assert torch.equal(sigmas_for(cfg, adapter, 4), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
     row = Trainer(cfg).iteration(0)
     assert row["trained_edges"] > 0 and row["ratio_max_abs_dev_first_update"] < 1e-5
+
+
+def test_the_plug_in_commands_run_as_printed_from_the_module_s_folder(tmp_path):
+    """extending.md's `flowrl train ... my_module:attr` commands, run from the folder that holds the module (the
+    page's code written there), with nothing on PYTHONPATH: the current folder is searched, as `python -m` does.
+    Shortened with overrides appended (one iteration), the printed part unchanged."""
+    import shlex
+    import subprocess
+
+    page = (ROOT / "docs/extending.md").read_text()
+    commands = []
+    for name in ("algorithm", "reward"):
+        block = re.search(rf"<!-- example: {name} -->\s*```python\n(.*?)```\s*```bash\n(.*?)```", page, re.S)
+        module = re.match(r"# (\w+)\.py\n", block.group(1)).group(1)
+        (tmp_path / f"{module}.py").write_text(block.group(1))
+        commands.append(block.group(2).strip())
+    script = Path(sys.executable).parent / "flowrl"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for command in commands:
+        argv = shlex.split(command)
+        assert argv[0] == "flowrl"
+        done = subprocess.run([str(script), *argv[1:], "train.iterations=1", "train.prompts_per_iter=2",
+                               "sampler.num_steps=4", "log.sample_every=0", "log.progress=false",
+                               "log.output_dir=runs"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, (command, done.stderr[-2000:])
+    assert len(list((tmp_path / "runs").iterdir())) == 2
