@@ -249,7 +249,13 @@ class FSDPConfig(Section):
 class TrainConfig(Section):
     iterations: int = opt(30, "rollout + update iterations", lo=1)
     prompts_per_iter: int = opt(4, "distinct prompts (groups) per iteration", lo=1)
-    lr: float = opt(3e-4, "AdamW learning rate (constant)", lo=0.0, lo_open=True)
+    lr: float = opt(3e-4, "AdamW's peak learning rate (train.lr_schedule shapes it over the iterations)", lo=0.0,
+                    lo_open=True)
+    lr_schedule: str = opt("constant", "the learning rate per iteration: constant, linear (down to 0 at "
+                           "train.iterations) or cosine (down to 0), each after train.warmup_iterations of linear "
+                           "warmup; a function of the iteration, so a resume continues it exactly",
+                           choices=["constant", "linear", "cosine"])
+    warmup_iterations: int = opt(0, "iterations of linear warmup from lr / warmup_iterations up to lr", lo=0)
     betas: list[float] = opt([0.9, 0.999], "AdamW betas, two numbers in [0, 1)")
     weight_decay: float = opt(1e-4, "AdamW decoupled weight decay", lo=0.0)
     adam_eps: float = opt(1e-8, "AdamW epsilon", lo=0.0, lo_open=True)

@@ -15,6 +15,22 @@ from .errors import FlowRLError
 from .objectives import Objective, UpdateBatch
 
 
+def learning_rate(train_cfg, iteration: int) -> float:
+    """``train.lr`` shaped by ``train.lr_schedule`` at ``iteration``: a linear warmup over the first
+    ``train.warmup_iterations`` ((k + 1) / warmup of the peak at iteration k), then constant, or a linear or cosine
+    decay that reaches 0 at ``train.iterations``. It depends on the iteration alone: a resumed run follows the
+    uninterrupted run's schedule exactly (raising ``train.iterations`` on resume stretches the decay)."""
+    peak, warmup = train_cfg.lr, train_cfg.warmup_iterations
+    if iteration < warmup:
+        return peak * (iteration + 1) / warmup
+    if train_cfg.lr_schedule == "constant":
+        return peak
+    progress = min(1.0, (iteration - warmup) / max(1, train_cfg.iterations - warmup))
+    if train_cfg.lr_schedule == "linear":
+        return peak * (1.0 - progress)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 def micro_batches(numbered: list, max_size: int, size):
     """Consecutive groups of (index, item) pairs whose items hold at most ``max_size`` transformer inputs by
     ``size(item)`` (at least one item per group)."""
@@ -43,7 +59,8 @@ def _groups(objective, numbered: list, max_size: int) -> list[list]:
     return list(by_key.values())
 
 
-def optimise(objective: Objective, batch: UpdateBatch, policy, procs, train_cfg, gen: torch.Generator) -> dict:
+def optimise(objective: Objective, batch: UpdateBatch, policy, procs, train_cfg, gen: torch.Generator,
+             iteration: int = 0) -> dict:
     """Train ``policy`` on one iteration's ``batch`` with ``objective``: epochs, minibatches, micro-batches,
     gradient accumulation, the gradient sum over processes, clipping, the optimizer step and the EMA.
 
@@ -54,6 +71,7 @@ def optimise(objective: Objective, batch: UpdateBatch, policy, procs, train_cfg,
         procs: the processes (world size, rank, collectives).
         train_cfg: the config's ``train`` section.
         gen: the iteration's generator.
+        iteration: the iteration (the learning rate's schedule reads it).
     Returns:
         The update's statistics: the objective's, plus ``optimizer_steps`` and the mean pre-clip gradient norm.
 
@@ -62,6 +80,9 @@ def optimise(objective: Objective, batch: UpdateBatch, policy, procs, train_cfg,
     forwards and backwards are collectives that every process must join."""
     accelerator, opt = policy.accelerator, policy.optimizer
     policy.adapter.transformer.train()
+    lr = learning_rate(train_cfg, iteration)
+    for group in opt.param_groups:  # this iteration's learning rate (train.lr_schedule)
+        group["lr"] = lr
     items = objective.work_items(batch, gen)
     steps, grad_norms, padded = 0, [], 0
     for _ in range(train_cfg.inner_epochs if items else 0):
@@ -97,5 +118,6 @@ def optimise(objective: Objective, batch: UpdateBatch, policy, procs, train_cfg,
     stats = objective.statistics()
     if policy.sharded:
         stats["padding_micro_batches"] = procs.sum(padded)
-    stats.update({"optimizer_steps": steps, "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0})
+    stats.update({"optimizer_steps": steps, "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
+                  "lr": lr})
     return stats

@@ -275,7 +275,7 @@ class Trainer:
         masks = [m & k for m, k in zip(masks, keep)]
         with self.meter.phase("update"):
             train_stats = optimise(self.objective, UpdateBatch(tree, cond, node_adv, masks), self.policy, self.procs,
-                                   cfg.train, gen)
+                                   cfg.train, gen, it)
         if self.policy.old is not None:
             self.policy.follow_old(algo.old_decay(it))
         algo.observe_update(train_stats)
