@@ -380,7 +380,7 @@ def test_a_seed_list_with_a_non_number_is_one_line(tmp_path, capsys, command):
     extra = ["--out", out] if command == "sample" else []
     code, err = cli(capsys, command, "--seeds", "0,a", *extra)
     assert code == 2
-    one_line(err, "--seeds 0,a: 'a' is not a whole number; give comma-separated seeds such as 0,1,2,3")
+    one_line(err, "--seeds 0,a: 'a' is neither a seed nor a range; give seeds such as 0,1,2,3 or 16-31")
     assert not out.exists()
 
 
