@@ -177,9 +177,7 @@ def _train(args: list[str], tiny: bool, callbacks=()) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix="flowrl-gpu-check-"))
     cfg = load_config(args[0], [*args[1:], f"device={device}", f"log.output_dir={tmp}", "log.run_name=check",
                                 "log.progress=false", "log.sample_every=0"])
-    trainer = Trainer(cfg)
-    trainer.callbacks += list(callbacks)
-    trainer.train()
+    Trainer(cfg, callbacks=list(callbacks)).train()
     return tmp / "check"
 
 

@@ -49,6 +49,9 @@ class Trainer:
         cfg: a loaded config (:func:`flowrl.config.load_config`).
         config_name: names the run folder when ``log.run_name`` is empty (``<config_name>-<time>``).
         run_dir: the run folder itself, instead of ``log.output_dir / log.run_name``.
+        callbacks: your own :class:`~flowrl.callbacks.Callback` objects, called after the built-in ones (metrics,
+            held-out evaluation, plots, trackers): ``on_train_begin(trainer)``, ``on_iteration_end(trainer, it,
+            row)`` (return a string to stop after this iteration) and ``on_train_end(trainer)``.
 
     Example:
         ```python
@@ -59,7 +62,8 @@ class Trainer:
         ```
     """
 
-    def __init__(self, cfg: Config, config_name: str = "run", run_dir: str | Path | None = None):
+    def __init__(self, cfg: Config, config_name: str = "run", run_dir: str | Path | None = None,
+                 callbacks: list | None = None):
         from .sharding import from_launch
 
         from_launch(cfg)  # an FSDP accelerate config turns train.fsdp on
@@ -161,7 +165,8 @@ class Trainer:
         self.procs.barrier()
         self.callbacks = ([MetricsWriter()] + ([HeldOutMonitor(evaluator, cfg)] if evaluator is not None else [])
                           + [RewardCurvePlot()] + ([TrackerLog()] if cfg.log.trackers else [])
-                          + ([NoSignalStop(cfg.log.stop_without_signal)] if cfg.log.stop_without_signal else []))
+                          + ([NoSignalStop(cfg.log.stop_without_signal)] if cfg.log.stop_without_signal else [])
+                          + list(callbacks or []))
         # the work spent so far (a resumed run continues its counts), in every row and curve point
         self.work = {"nfe_rollout_cum": 0, "rollouts_cum": 0, "seconds_cum": 0.0}
         rows = report.read_metrics(self.folder.metrics)

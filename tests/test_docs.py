@@ -189,7 +189,7 @@ def _example(name: str, tmp_path: Path) -> str:
 def examples_path(tmp_path):
     yield tmp_path
     sys.path.remove(str(tmp_path)) if str(tmp_path) in sys.path else None
-    for name in ("my_algorithms", "my_rewards", "my_models"):
+    for name in ("my_algorithms", "my_rewards", "my_models", "my_callbacks"):
         sys.modules.pop(name, None)
 
 
@@ -269,3 +269,21 @@ def test_the_plug_in_commands_run_as_printed_from_the_module_s_folder(tmp_path):
                               timeout=300)
         assert done.returncode == 0, (command, done.stderr[-2000:])
     assert len(list((tmp_path / "runs").iterdir())) == 2
+
+
+def test_the_callback_example_stops_a_run(examples_path):
+    """extending.md's callback, given to the trainer: with patience 1 the run stops after the first iteration
+    without a new best, and the metrics end there."""
+    import json
+
+    from flowrl.trainer import Trainer
+
+    module = _example("callback", examples_path)
+    stop_when_flat = importlib.import_module(module).StopWhenFlat
+    cfg = make_cfg(examples_path / "runs", "train.iterations=12", "sampler.num_steps=4", "train.prompts_per_iter=2")
+    callback = stop_when_flat(patience=1)
+    run = Trainer(cfg, callbacks=[callback]).train()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward_mean/total"] for r in rows]
+    assert callback.since == 1 and rewards[-1] <= max(rewards[:-1])  # stopped at the first iteration without a best
+    assert all(rewards[k] > max(rewards[:k], default=float("-inf")) for k in range(len(rewards) - 1))
