@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .memory import FLUX1_DEV, FLUX2_KLEIN_4B, QWEN_IMAGE, SD35_MEDIUM, WAN21_1_3B, WAN21_14B  # published configs
+from .errors import ConfigError
 from .models.common import PromptEmbeds
 from .sampling import peak_memory_mb, synchronize
 
@@ -302,8 +303,12 @@ def _run_gpu_bench(families, resolutions, batch, prompts, peak_tflops, tiny, dev
         for px in sizes:
             for name in cases:
                 fused, ckpt = UPDATE_CASES[name]
-                n, why = (auto_batch(family, px, dev, ckpt, most_batch, H100_BYTES if tiny else None)
-                          if batch == "auto" else (batch, None))
+                try:
+                    n, why = (auto_batch(family, px, dev, ckpt, most_batch, H100_BYTES if tiny else None)
+                              if batch == "auto" else (batch, None))
+                except ConfigError as exc:  # not even one edge fits this card: say so, measure the rest
+                    emit_row({"family": family, "px": px, "case": name, "skipped": str(exc)})
+                    continue
                 r = update_step(model, px, n, tiny, fused_adamw=fused, checkpointing=ckpt)
                 model_flops.setdefault((px, n), r["flops"] or model_flops.get((px, n), 0))
                 row = _update_row(family, px, name, n, r, r["flops"], peak_tflops)
