@@ -11,9 +11,9 @@ DCP reshards on load: a checkpoint written by N processes loads into M processes
 (unsharded) transformer (``flowrl export``, ``flowrl sample``, ``flowrl eval``). An exact resume needs the same
 world size (``train.fsdp.resume_other_world_size`` allows another).
 
-Loading unpickles nothing but data: DCP reads ``.metadata`` with ``pickle.load`` and its non-tensor entries with
-``torch.load(weights_only=False)``, so a crafted run folder could run code on ``resume``; here the metadata goes
-through an unpickler that admits only DCP's own records, and every entry through ``weights_only=True``.
+Loading unpickles nothing but data: DCP reads ``.metadata`` with ``pickle.load`` and its non-tensor entries with an
+unrestricted torch unpickler (``weights_only`` off), so a crafted run folder could run code on ``resume``; here the
+metadata goes through an unpickler that admits only DCP's own records, and every entry through ``weights_only``.
 """
 
 from __future__ import annotations
