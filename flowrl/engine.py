@@ -194,12 +194,12 @@ class Tree:
         for r in rounds.unique().tolist():
             m = (rounds == r).nonzero().flatten()
             src = values[r]
-            out[m.to(out.device)] = src[positions[m].to(src.device)]
+            out[to_device(m, out.device)] = src[to_device(positions[m], src.device)]  # no host wait on CUDA
         return out
 
     def leaf_values(self, values: list[torch.Tensor]) -> torch.Tensor:
         """Per-round node values -> the leaves' values (L, ...), in :meth:`leaf_positions` order."""
-        return torch.cat([v[m.to(v.device)] for v, m in zip(values, self._leaf_masks())])
+        return torch.cat([v[to_device(m, v.device)] for v, m in zip(values, self._leaf_masks())])
 
     @property
     def leaves(self) -> torch.Tensor:

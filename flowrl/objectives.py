@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from . import losses
+from .engine import to_device
 from .errors import FlowRLError
 from .losses import gaussian_kl_same_std, guard_log_ratio, kl_std, ppo_clip_loss
 from .samplers.kernels import step as kernel_step
@@ -224,7 +225,7 @@ class TransitionObjective:
             loss_r, ratio = self.policy_rows(log_ratio, adv)
         row_loss = loss_r + cfg.train.kl_beta * kl
         if self.weights is not None:  # (R,) the weight of each row's step
-            row_loss = row_loss * torch.tensor([self.weights[int(i)] for i in step], device=row_loss.device)
+            row_loss = row_loss * to_device(torch.tensor([self.weights[int(i)] for i in step]), row_loss.device)
         if not record:
             return row_loss.sum()
         self.nfe += self.forwarded
@@ -305,17 +306,18 @@ class TransitionObjective:
         for c in dict.fromkeys(call):  # each call once, in the order the parents first need it
             rounds, positions = self.calls[c]
             x = tree.gather(tree.latents, rounds, positions).to(dev)  # (n, *latent) the call's rows, in order
-            sig = tree.sigmas[tree.gather(tree.index, rounds, positions)].to(dev)
-            rows = tree.gather(tree.group, rounds, positions).to(dev)
+            sig = to_device(tree.sigmas[tree.gather(tree.index, rounds, positions)], dev)
+            rows = to_device(tree.gather(tree.group, rounds, positions), dev)
             v_call, ref_call = self.velocities(x, sig, rows, with_reference)
             self.forwarded += len(rounds)
             mine = torch.tensor([k for k, ck in enumerate(call) if ck == c])  # (m,) the parents this call evaluated
             if v is None:
                 v = v_call.new_empty((len(call), *v_call.shape[1:]))
                 v_ref = None if ref_call is None else ref_call.new_empty((len(call), *ref_call.shape[1:]))
-            v = v.index_put((mine.to(dev),), v_call[slot[mine].to(dev)])  # out of place: the graph flows to v_call
+            mine_d, slot_d = to_device(mine, dev), to_device(slot[mine], dev)
+            v = v.index_put((mine_d,), v_call[slot_d])  # out of place: the graph flows to v_call
             if ref_call is not None:
-                v_ref[mine.to(dev)] = ref_call[slot[mine].to(dev)]
+                v_ref[mine_d] = ref_call[slot_d]
         return v, v_ref
 
     def _edge_terms(self, units: list):
@@ -330,40 +332,44 @@ class TransitionObjective:
         if self.same_composition:
             v, v_ref = self._velocities_in_rollout_calls(p_rnd, p_pos, cfg.train.kl_beta > 0)
         else:
-            sig = tree.sigmas[parent_index].to(dev)
-            rows = tree.gather(tree.group, p_rnd, p_pos).to(dev)
+            sig = to_device(tree.sigmas[parent_index], dev)
+            rows = to_device(tree.gather(tree.group, p_rnd, p_pos), dev)
             v, v_ref = self.velocities(x, sig, rows, cfg.train.kl_beta > 0)  # (U, *latent)
             self.forwarded = len(units)
         # expand parents to their child edges: (E,) per-edge parent slot, child round and position
-        pos = torch.tensor([i for i, u in enumerate(units) for _ in u.children], device=dev)
+        # every host-to-device copy below is asynchronous (to_device): the update waits for the device only where
+        # it reads a value (the gradient norm), not per micro-batch or per round
+        pos_host = torch.tensor([i for i, u in enumerate(units) for _ in u.children])
+        pos = to_device(pos_host, dev)
         rnd = torch.tensor([u.depth + 1 for u in units for _ in u.children])
         child = torch.tensor([c for u in units for c in u.children])
         prev = tree.gather(tree.latents, rnd, child).to(dev)
         old = tree.gather(tree.log_prob, rnd, child)
         adv = tree.gather(self.batch.node_adv, rnd, child).float()
         level = tree.gather(tree.level, rnd, child)
-        s = tree.sigmas[parent_index[pos.cpu()]]
+        s = tree.sigmas[parent_index[pos_host]]
         s_next = tree.sigmas[tree.gather(tree.index, rnd, child)]
         logp = torch.empty(len(child), device=dev)
         kl = torch.zeros(len(child), device=dev)
         self.divergence = torch.zeros(len(child), device=dev)  # (E,) each edge's KL from its rollout transition
-        adv = adv.to(dev).clamp(-cfg.advantage.clip, cfg.advantage.clip)
+        adv = to_device(adv, dev).clamp(-cfg.advantage.clip, cfg.advantage.clip)
+        s_d, s_next_d, old_d = to_device(s, dev), to_device(s_next, dev), to_device(old, dev)
         options = parts.kernel_options
         sigma_at_one = float(tree.sigmas[1])
         fused = self.fused
         loss_and_ratio = (torch.empty(len(child), device=dev), torch.empty(len(child), device=dev)) if fused else None
         for lv in level.unique().tolist():  # the kernels take one noise level per call
             m = (level == lv).nonzero().flatten()
-            md = m.to(dev)
+            md = to_device(m, dev)
             if fused:  # log-prob, ratio, clip and KL in one compiled function
                 loss_m, ratio_m, logp[md], kl[md] = fused(
-                    x[pos[md]], v[pos[md]], s[m].to(dev), s_next[m].to(dev), prev[md], old[m].to(dev), adv[md],
+                    x[pos[md]], v[pos[md]], s_d[md], s_next_d[md], prev[md], old_d[md], adv[md],
                     None if v_ref is None else v_ref[pos[md]], kernel=cfg.sampler.kernel, noise_level=lv,
                     sigma_at_one=sigma_at_one, clip_range=cfg.train.clip_range, reduce=cfg.train.log_prob_reduce,
                     kl_std_mode=cfg.train.kl_std, kernel_options=options)
                 loss_and_ratio[0][md], loss_and_ratio[1][md] = loss_m, ratio_m
                 continue
-            out = kernel_step(cfg.sampler.kernel, x[pos[md]], v[pos[md]], s[m], s_next[m], noise_level=lv,
+            out = kernel_step(cfg.sampler.kernel, x[pos[md]], v[pos[md]], s_d[md], s_next_d[md], noise_level=lv,
                               sigma_at_one=sigma_at_one, prev_sample=prev[md], reduce=cfg.train.log_prob_reduce,
                               **options)
             logp[md] = out.log_prob
@@ -373,12 +379,12 @@ class TransitionObjective:
                 self.divergence[md] = losses.transition_divergence(out.mean.detach(), mean_old, std)
             if self.guard:  # the normalised log-ratio, carried as old + (logp - old + bias) * s
                 mean_old = tree.gather(tree.mean, rnd[m], child[m]).to(dev)
-                logp[md] = old[m].to(dev) + guard_log_ratio(out.log_prob, old[m].to(dev), out.mean, mean_old, out.std)
+                logp[md] = old_d[md] + guard_log_ratio(out.log_prob, old_d[md], out.mean, mean_old, out.std)
             if v_ref is not None:
-                kl[md] = kl_to_reference(cfg, out, x[pos[md]], v_ref[pos[md]], s[m], s_next[m], prev[md], lv,
+                kl[md] = kl_to_reference(cfg, out, x[pos[md]], v_ref[pos[md]], s_d[md], s_next_d[md], prev[md], lv,
                                          sigma_at_one, options)
-        step_index = parent_index[pos.cpu()]
-        return logp, old.to(dev), adv, kl, step_index, loss_and_ratio
+        step_index = parent_index[pos_host]
+        return logp, old_d, adv, kl, step_index, loss_and_ratio
 
     def _untrained_kl(self, rounds: torch.Tensor, child: torch.Tensor) -> torch.Tensor:
         """Per state (K,): the KL between the trained and the reference policy's full-rank SDE transitions at
@@ -386,10 +392,10 @@ class TransitionObjective:
         cfg, tree, dev = self.cfg, self.batch.tree, self.parts.device
         parent = tree.gather(tree.parent, rounds, child)
         x = tree.gather(tree.latents, rounds - 1, parent).to(dev)  # (K, *latent)
-        s = tree.sigmas[tree.gather(tree.index, rounds - 1, parent)]
-        s_next = tree.sigmas[tree.gather(tree.index, rounds, child)]
-        rows = tree.gather(tree.group, rounds - 1, parent).to(dev)
-        v, v_ref = self.velocities(x, s.to(dev), rows, True)  # (K, *latent) each
+        s = to_device(tree.sigmas[tree.gather(tree.index, rounds - 1, parent)], dev)
+        s_next = to_device(tree.sigmas[tree.gather(tree.index, rounds, child)], dev)
+        rows = to_device(tree.gather(tree.group, rounds - 1, parent), dev)
+        v, v_ref = self.velocities(x, s, rows, True)  # (K, *latent) each
         nxt = tree.gather(tree.latents, rounds, child).to(dev)  # scored only because the kernel asks for a sample
         level, sigma_at_one = cfg.sampler.noise_level, float(tree.sigmas[1])
         out = kernel_step(cfg.sampler.kernel, x, v, s, s_next, noise_level=level, sigma_at_one=sigma_at_one,

@@ -46,3 +46,33 @@ def test_the_rollout_synchronises_once_per_rollout_not_once_per_round(tmp_path):
     run(4)()  # warm-up: kernels, allocator, caches
     short, long = _synchronisations(run(4)), _synchronisations(run(8))
     assert short == long, f"{short} synchronisations for 4 rounds, {long} for 8: one or more per round"
+
+
+def test_an_optimisation_step_synchronises_as_often_for_8_steps_as_for_4(tmp_path):
+    """One update of Flow-GRPO on every step, all its trained edges in one micro-batch: the update's host
+    synchronisations (index copies, per-round gathers) do not grow with the number of denoising steps."""
+    from flowrl import trainer as trainer_module
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    counts = {}
+    optimise = trainer_module.optimise
+    for steps in (4, 8):
+        cfg = load_config("configs/tiny_flow_grpo.yaml", [
+            "device=cuda", "log.progress=false", "log.sample_every=0", "log.eval=none", f"sampler.num_steps={steps}",
+            "train.prompts_per_iter=2", "train.micro_batch=4096", "train.num_minibatches=1", "train.inner_epochs=1",
+            "algorithm.timestep_fraction=1.0", f"log.output_dir={tmp_path}", f"log.run_name=s{steps}"])
+        trainer = Trainer(cfg)
+        trainer.iteration(0)  # warm-up: kernels, allocator, caches
+
+        def counted(*args, _steps=steps, **kwargs):
+            result = []
+            counts[_steps] = _synchronisations(lambda: result.append(optimise(*args, **kwargs)))
+            return result[0]
+
+        trainer_module.optimise = counted
+        try:
+            trainer.iteration(1)
+        finally:
+            trainer_module.optimise = optimise
+    assert counts[4] == counts[8], f"{counts[4]} synchronisations for 4 steps, {counts[8]} for 8"
