@@ -127,15 +127,14 @@ def _cond(model: BenchModel, n: int, tiny: bool) -> PromptEmbeds:
 
 def update_step(model: BenchModel, px: int, batch: int, tiny: bool, *, fused_adamw: bool, checkpointing: bool,
                 repeats: int = 3, count_flops: bool = True) -> dict:
-    """One LoRA GRPO update on ``batch`` edges at ``px``: forward, per-edge objective, backward, AdamW step."""
+    """One LoRA GRPO update on ``batch`` edges at ``px``: forward, per-edge objective, backward, AdamW step, timed
+    over ``repeats`` steps after a warm-up. Its FLOPs are counted on one step without gradient checkpointing (MFU
+    does not credit recomputation); ``repeats=0`` returns the count alone."""
     from .losses import edge_objective
     from .samplers.kernels import step as kernel_step
 
     dev, tr = model.device, model.transformer
-    if checkpointing:
-        tr.enable_gradient_checkpointing()
-    else:
-        tr.disable_gradient_checkpointing()
+    tr.disable_gradient_checkpointing()  # the FLOPs are counted without recomputation (MFU's convention)
     params = [p for p in tr.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=fused_adamw and dev.type == "cuda")
     g = torch.Generator().manual_seed(1)
@@ -159,6 +158,10 @@ def update_step(model: BenchModel, px: int, batch: int, tiny: bool, *, fused_ada
         opt.step()
 
     flops = _count_flops(one) if count_flops else 0  # the counter's dispatch mode is kept out of compiled code
+    if repeats == 0:  # the count alone
+        return {"flops": flops}
+    if checkpointing:
+        tr.enable_gradient_checkpointing()
     one()  # warm-up (and compilation, where the blocks are compiled)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -299,7 +302,6 @@ def _run_gpu_bench(families, resolutions, batch, prompts, peak_tflops, tiny, dev
         if tiny:
             sizes = tuple(min(r, 64) for r in sizes)
         model = build(family, dev, tiny)
-        model_flops = {}  # per resolution: the plain step's count (recomputation under checkpointing not credited)
         for px in sizes:
             for name in cases:
                 fused, ckpt = UPDATE_CASES[name]
@@ -310,7 +312,6 @@ def _run_gpu_bench(families, resolutions, batch, prompts, peak_tflops, tiny, dev
                     emit_row({"family": family, "px": px, "case": name, "skipped": str(exc)})
                     continue
                 r = update_step(model, px, n, tiny, fused_adamw=fused, checkpointing=ckpt)
-                model_flops.setdefault((px, n), r["flops"] or model_flops.get((px, n), 0))
                 row = _update_row(family, px, name, n, r, r["flops"], peak_tflops)
                 if why is not None:  # the memory model's prediction for this micro-batch, beside the measured peak
                     row["estimate_mb"] = round((why["state_gib"] + n * why["activations_per_input_gib"]) * 1024, 1)
@@ -324,16 +325,19 @@ def _run_gpu_bench(families, resolutions, batch, prompts, peak_tflops, tiny, dev
                           "nfe": r["nfe"], "transformer_calls": r["transformer_calls"], "leaves": r["leaves"],
                           "gflop_per_nfe": round(per_row / 1e9, 4), "achieved_tflops": round(tflops, 3),
                           "mfu": round(tflops / peak_tflops, 4), "peak_memory_mb": round(r["peak_memory_mb"], 1)})
-        from .policy import configure_update_path
+        if compiled:  # last: the blocks stay compiled; each step's FLOPs counted on the eager model first
+            from .policy import configure_update_path
 
-        if compiled:
-            configure_update_path(model.transformer, _Opts(compile_transformer=True))  # last: compiled blocks stay so
-        for px in sizes if compiled else ():
-            n = batch if batch != "auto" else auto_batch(family, px, dev, False, most_batch, H100_BYTES if tiny else None)[0]
-            r = update_step(model, px, n, tiny, fused_adamw=True, checkpointing=False, count_flops=False)
-            flops = model_flops.get((px, n)) or update_step(model, px, n, tiny, fused_adamw=True, checkpointing=False,
-                                                            repeats=0)["flops"]
-            emit_row(_update_row(family, px, "update compiled", n, r, flops, peak_tflops))
+            counted = []
+            for px in sizes:
+                n = batch if batch != "auto" else auto_batch(family, px, dev, False, most_batch,
+                                                             H100_BYTES if tiny else None)[0]
+                counted.append((px, n, update_step(model, px, n, tiny, fused_adamw=True, checkpointing=False,
+                                                   repeats=0)["flops"]))
+            configure_update_path(model.transformer, _Opts(compile_transformer=True))
+            for px, n, flops in counted:
+                r = update_step(model, px, n, tiny, fused_adamw=True, checkpointing=False, count_flops=False)
+                emit_row(_update_row(family, px, "update compiled", n, r, flops, peak_tflops))
         del model
         if dev.type == "cuda":
             torch.cuda.empty_cache()

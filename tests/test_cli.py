@@ -189,6 +189,7 @@ def test_bench_gpu_runs_its_code_path_on_tiny_models():
         assert r["seconds"] > 0 and r["images_per_s"] > 0 and r["mfu"] == pytest.approx(r["achieved_tflops"] / 0.5, abs=1e-3)
         if r["case"].startswith("update"):
             assert r["gflop_per_step"] > 0 and r["batch"] == 2
+    assert rows[2]["gflop_per_step"] == rows[0]["gflop_per_step"]  # recomputation under checkpointing not credited
     flat, tree = rows[3], rows[4]  # 16 chains x 20 steps vs branch 2 at steps 0, 3, 6, 9: 1+2*3+4*3+8*3+16*10
     assert (flat["nfe"], tree["nfe"], flat["leaves"], tree["leaves"]) == (320, 203, 16, 16)
     from flowrl.gpu_bench import build
@@ -196,6 +197,16 @@ def test_bench_gpu_runs_its_code_path_on_tiny_models():
     per_row = forward_flops_per_row(build("sd35m", torch.device("cpu"), tiny=True), 64, tiny=True)
     assert tree["gflop_per_nfe"] == round(per_row / 1e9, 4) > 0
     assert tree["achieved_tflops"] == pytest.approx(per_row * 203 / tree["seconds"] / 1e12, rel=1e-2, abs=1e-3)
+
+
+@pytest.mark.slow  # about 40 s of compilation on two cores (make test-slow)
+def test_bench_gpu_times_the_compiled_blocks_with_the_eager_step_s_flops():
+    from flowrl.gpu_bench import run_gpu_bench
+
+    rows = run_gpu_bench(("sd35m",), (32,), batch=1, prompts=1, tiny=True, device="cpu", emit=lambda r: None,
+                         compiled=True, steps=4, chains=4, cases=("update",))
+    assert [r["case"] for r in rows] == ["update", "rollout flat", "rollout tree", "update compiled"]
+    assert rows[3]["gflop_per_step"] == rows[0]["gflop_per_step"] > 0 and rows[3]["seconds"] > 0
 
 
 def test_bench_gpu_auto_micro_batch_is_the_estimate_s_choice_for_the_family_preset():
