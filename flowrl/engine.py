@@ -47,9 +47,10 @@ class Round:
     # only when the rollout is asked to (an objective that normalises by the old mean)
     process_reward: torch.Tensor | None = None  # (N,) a guided plan's process reward at the edge's parent (0 on
     # unguided edges); None when the plan has no guidance
-    call: torch.Tensor | None = None  # (N,) long, the rollout's transformer call that evaluated the node (an id
-    # unique within the iteration; -1: never evaluated, a leaf), and the node's row in that call; None when the
-    slot: torch.Tensor | None = None  # tree was not built by the engine's driver (hand-made trees)
+    # the rollout's transformer call that evaluated each node (an id unique within the iteration; -1: a leaf, never
+    # evaluated) and the node's row in that call; None in trees the engine's driver did not build (hand-made ones)
+    call: torch.Tensor | None = None  # (N,) long
+    slot: torch.Tensor | None = None  # (N,) long
 
     @property
     def size(self) -> int:
@@ -281,7 +282,7 @@ def sibling_noise(shape: tuple[int, ...], branch: int, mode: str, strength: floa
     return (shared + strength * eps) / math.sqrt(1 + strength**2)
 
 
-CALLS_PER_DRIVER = 1 << 20  # call ids of the driver whose first prompt row is a start at a * this
+CALLS_PER_DRIVER = 1 << 20  # a driver whose first prompt row is a numbers its calls from a * this: unique ids
 
 
 @dataclass
