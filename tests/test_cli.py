@@ -186,7 +186,7 @@ def test_bench_gpu_runs_its_code_path_on_tiny_models():
         (f, c) for f in ("sd35m", "flux1")
         for c in ("update", "update unfused-adamw", "update checkpointing", "rollout flat", "rollout tree")]
     for r in rows:
-        assert r["seconds"] > 0 and r["images_per_s"] > 0 and r["mfu"] == pytest.approx(r["achieved_tflops"] / 0.5, abs=1e-3)
+        assert r["seconds"] > 0 and r["images_per_s"] > 0 and r["mfu"] == pytest.approx(r["achieved_tflops"] / 0.5, abs=0.0005 / 0.5 + 1e-4)  # both rounded
         if r["case"].startswith("update"):
             assert r["gflop_per_step"] > 0 and r["batch"] == 2
     assert rows[2]["gflop_per_step"] == rows[0]["gflop_per_step"]  # recomputation under checkpointing not credited
