@@ -182,7 +182,7 @@ class HeldOutMonitor(Callback):
         best = self.best
         self._write_best(trainer)
         if trainer.procs.is_main:
-            report.append_metrics(trainer.folder.curve, {"iteration": done, **trainer.work, **result})
+            report.append_metrics(trainer.folder.curve, {"iteration": done, **trainer.work.counts, **result})
         name = self.metric
         if log.early_stop_drop and best["value"] - value > log.early_stop_drop:
             return (f"stopping early at iteration {done}: held-out {name} {value:.4f} fell more than "
@@ -220,3 +220,11 @@ class HeldOutMonitor(Callback):
             print(f"the run ends with its best held-out weights: {best['metric']} {best['value']:.4f} at iteration "
                   f"{best['iteration']} (last point {last[best['metric']]:.4f} at iteration {last['iteration']}); they "
                   f"are in {ckpt}", file=sys.stderr)
+
+
+def built_in_callbacks(cfg, evaluator) -> list[Callback]:
+    """The callbacks every run has, in order: metrics rows, the held-out evaluation (when ``evaluator``), the
+    reward curve, trackers (``log.trackers``) and the no-signal stop (``log.stop_without_signal``)."""
+    return ([MetricsWriter()] + ([HeldOutMonitor(evaluator, cfg)] if evaluator is not None else [])
+            + [RewardCurvePlot()] + ([TrackerLog()] if cfg.log.trackers else [])
+            + ([NoSignalStop(cfg.log.stop_without_signal)] if cfg.log.stop_without_signal else []))

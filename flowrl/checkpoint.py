@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from .digests import digest_problem, write_digests
-from .errors import FlowRLError
+from .errors import ConfigError, FlowRLError
 from .sharded_checkpoint import lora_metadata, lora_state_dict  # noqa: F401 (callers import them from here too)
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -48,6 +48,34 @@ def save_checkpoint(ckpt_dir: Path, adapter, transformer, optimizer, iteration: 
     for old in ckpts[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return ckpt_dir
+
+
+def save_run_checkpoint(run_dir: Path, iteration: int, policy, adapter, procs, algorithm_state: dict,
+                        keep: int) -> Path:
+    """Iteration ``iteration``'s checkpoint of a run: the main process writes it (every process holds the same
+    weights and state) and the others wait for it, so a resume that follows reads it whole; sharded, every
+    process writes its shards."""
+    from .sharded_checkpoint import save_sharded_checkpoint
+
+    path = run_dir / "checkpoints" / f"iter_{iteration:05d}"
+    extra = {"algorithm_state": algorithm_state}
+    if policy.sharded:
+        return save_sharded_checkpoint(path, policy, adapter, procs, iteration, extra=extra, keep=keep)
+    if procs.is_main:
+        path = save_checkpoint(path, adapter, policy.module, policy.optimizer, iteration, lora=policy.lora,
+                               ema=policy.ema, extra=extra, keep=keep,
+                               tensors={"old_policy": policy.old} if policy.old is not None else None)
+    procs.barrier()
+    return path
+
+
+def resume_start(ckpt: Path, iterations: int) -> int:
+    """The first iteration a resume from ``ckpt`` runs, or one line when ``train.iterations`` leaves none."""
+    start = int(json.loads((ckpt / "state.json").read_text())["iteration"]) + 1
+    if iterations <= start:
+        raise ConfigError(f"resume: {ckpt} ends at iteration {start} and train.iterations={iterations}; raise "
+                          "train.iterations to continue the run")
+    return start
 
 
 def _disk_full(exc: BaseException) -> bool:
@@ -242,6 +270,19 @@ def _into_shards(module, state: dict[str, torch.Tensor]) -> None:
     set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
+def reference_checkpoints(paths: dict[str, str], lora: bool, owner: str) -> dict[str, Path]:
+    """The checkpoints an algorithm's references load from (a teacher, an anchor; ``paths`` by reference name),
+    found before any work: a missing one, or a LoRA one for a run that trains every weight (``lora`` false), is
+    one line naming ``owner`` and saying what to give instead."""
+    found = {name: find_checkpoint(path) for name, path in paths.items()}
+    for name, ckpt in found.items():  # a teacher's layout must fit the student's weights
+        if checkpoint_is_lora(ckpt) and not lora:
+            raise ConfigError(f"{owner}: the reference {ckpt}{f' ({name})' if name else ''} "
+                              "holds LoRA weights and this run trains every weight (train.lora.enabled=false); give a "
+                              "full checkpoint, or train with LoRA of the teacher's layout")
+    return found
+
+
 def load_full_into(transformer, ckpt_dir: Path, cfg=None) -> None:
     """Full fine-tuning weights (safetensors from ``save_pretrained``, or a sharded run's shards) into a
     transformer of the same config, plain or sharded (every process of a sharded job calls it)."""
@@ -298,6 +339,19 @@ def load_trainer_state(ckpt_dir: Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise FlowRLError(f"{path}: unreadable trainer state ({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
+
+
+def resume_checkpoint(cfg, run_dir, world: int) -> Path | None:
+    """The checkpoint a run continues from (``resume``), checked against this launch's ``world`` processes before
+    any model loads; None on a new run."""
+    from .sharded_checkpoint import check_resume
+
+    if not cfg.resume:
+        return None
+    ckpt = find_resume_checkpoint(cfg, run_dir)
+    if ckpt is not None:
+        check_resume(ckpt, cfg, world)
+    return ckpt
 
 
 def find_resume_checkpoint(cfg, run_dir=None) -> Path:

@@ -26,6 +26,12 @@ SEED_MAX = 2 ** 32 - 1  # train.seed: (seed, iteration) seeds a generator as see
 SAMPLE_SEED_MAX = 2 ** 63 - 1  # a sample seed seeds a generator on its own
 
 
+def iteration_seed(seed: int, iteration: int) -> int:
+    """The seed of iteration ``iteration``'s random draws in a run with ``train.seed=seed`` (within 64 bits for
+    seeds up to :data:`SEED_MAX`), so a resumed run draws what the uninterrupted one would have."""
+    return seed * 1_000_003 + iteration
+
+
 def check_seeds(seeds: list[int], key: str) -> None:
     """Each seed a whole number in [0, 2^63 - 1], or one line naming the first that is not."""
     bad = next((s for s in seeds if not 0 <= s <= SAMPLE_SEED_MAX), None)

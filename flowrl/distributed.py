@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import ConfigError
+
 
 class Processes:
     """The run's process group as seen from one process (a single process is a group of one).
@@ -44,6 +46,13 @@ class Processes:
     @property
     def distributed(self) -> bool:
         return self.processes > 1
+
+    def check_rollout_batches(self, rollout_batches: int) -> None:
+        """Each data-parallel share rolls out whole prompt batches: one line when there are fewer than shares."""
+        if self.world > rollout_batches:
+            raise ConfigError(f"sampler.rollout_batches={rollout_batches}: {self.world} processes each roll out "
+                              f"whole prompt batches; set sampler.rollout_batches to at least {self.world} (a "
+                              "multiple of it keeps the processes evenly loaded)")
 
     def share(self, items: list) -> list:
         """This process's share of ``items`` (round-robin, so shares differ in length by at most one)."""

@@ -15,8 +15,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -51,9 +53,6 @@ class Architecture:
 
 def architecture(model_cfg) -> Architecture:
     """The transformer's class and config for ``model``: a shipped preset, a local diffusers folder, or tiny."""
-    import json
-    from pathlib import Path
-
     from .registry import MODEL_NAMES, adapter_class
 
     name = model_cfg.pretrained
@@ -288,6 +287,41 @@ def auto_micro_batch(cfg, device: torch.device, world: int, headroom: float = 0.
     chosen = min(fits, most)
     return chosen, {"micro_batch": chosen, "budget_gib": budget / GIB, "state_gib": state / GIB,
                     "activations_per_input_gib": per_input / GIB, "device": str(device)}
+
+
+def saved_micro_batch(run_dir) -> int | None:
+    """The micro-batch a resumed run chose when it started (micro_batch.json in its folder), checked: a whole
+    number >= 1, or one line saying what to do. None when the file is absent."""
+    path = Path(run_dir) / "micro_batch.json"
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))["micro_batch"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"resume: {path} is unreadable ({type(exc).__name__}); delete it to choose the "
+                          "micro-batch again, or set train.micro_batch to the run's number") from exc
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"resume: {path} holds micro_batch={value!r}, not a whole number >= 1; delete it to "
+                          "choose the micro-batch again, or set train.micro_batch to the run's number")
+    return value
+
+
+def run_micro_batch(cfg, run_dir, device: torch.device, procs, resuming: bool) -> int:
+    """The update's micro-batch for a run: ``train.micro_batch`` as given, or for ``auto`` the one chosen when the
+    run started (micro_batch.json, on resume), or on a new run the largest that :func:`estimate` fits in the
+    device's memory; the main process chooses and writes micro_batch.json, every process takes its choice."""
+    if cfg.train.micro_batch != "auto":
+        return cfg.train.micro_batch
+    saved = saved_micro_batch(run_dir) if resuming else None
+    if saved is not None:
+        return saved
+    from . import report
+
+    chosen = None
+    if procs.is_main:
+        chosen, why = auto_micro_batch(cfg, device, procs.processes)
+        report.atomic_write_bytes(run_dir / "micro_batch.json", json.dumps(why, indent=1).encode())
+    return procs.broadcast(chosen)
 
 
 def format_table(result: dict) -> str:

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .errors import FlowRLError
+from .errors import ConfigError, FlowRLError
 from .objectives import Objective, UpdateBatch
 
 
@@ -44,6 +44,14 @@ def micro_batches(numbered: list, max_size: int, size):
         total += n
     if group:
         yield group
+
+
+def check_update_composition(objective, cfg) -> None:
+    """``train.update_composition=rollout`` needs an objective that keys its items by rollout call: one line
+    otherwise."""
+    if cfg.train.update_composition == "rollout" and not hasattr(objective, "group_key"):
+        raise ConfigError(f"train.update_composition=rollout: {cfg.algorithm.name} does not recompute the "
+                          "rollout's transitions; set train.update_composition=micro_batch")
 
 
 def _groups(objective, numbered: list, max_size: int) -> list[list]:

@@ -42,6 +42,14 @@ def kernel_options(cfg) -> dict:
     return {}
 
 
+def check_noise_lowpass(cfg, latent_shape) -> None:
+    """``sampler.noise_lowpass`` must fit the latent's height and width: one line otherwise."""
+    most = min(latent_shape[-2:])
+    if cfg.sampler.noise_lowpass > most:
+        raise ConfigError(f"sampler.noise_lowpass={cfg.sampler.noise_lowpass}: the latent is only "
+                          f"{latent_shape[-2]} x {latent_shape[-1]}; use at most {most}")
+
+
 def sigmas_for(cfg, adapter, num_steps: int) -> torch.Tensor:
     """The (num_steps + 1,) sigma grid: the family pipeline's own (``diffusers``), or a static / dynamic shift."""
     s = cfg.sampler

@@ -49,16 +49,17 @@ def check_mesh(world: int, fsdp_cfg) -> tuple[int, int]:
     return world // shard, shard
 
 
-def from_launch(cfg) -> None:
-    """An ``accelerate launch`` with an FSDP config (``distributed_type: FSDP``, ``fsdp_version: 2``; the shipped
-    configs/accelerate/fsdp2_8gpu.yaml and hsdp_2x8.yaml) turns ``train.fsdp`` on with the launch's settings:
-    reshard after forward, parameter offload, activation checkpointing, and HSDP's shard group from
-    ``parallelism_config``. flowrl applies the sharding itself (the repeated blocks, summed gradients)."""
+def launch_config(cfg):
+    """The config an ``accelerate launch`` with an FSDP config (``distributed_type: FSDP``, ``fsdp_version: 2``; the
+    shipped configs/accelerate/fsdp2_8gpu.yaml and hsdp_2x8.yaml) asks for: ``train.fsdp`` on with the launch's
+    settings (reshard after forward, parameter offload, activation checkpointing, and HSDP's shard group from
+    ``parallelism_config``). A new config object; the one given is returned unchanged outside such a launch and is
+    never modified. flowrl applies the sharding itself (the repeated blocks, summed gradients)."""
     import os
 
     env = os.environ
     if env.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
-        return
+        return cfg
     if env.get("FSDP_VERSION", "1") != "2":
         raise ConfigError("accelerate launch: flowrl shards with FSDP2; set fsdp_version: 2 in the accelerate config "
                           "(see configs/accelerate/fsdp2_8gpu.yaml)")
@@ -67,15 +68,16 @@ def from_launch(cfg) -> None:
         return env.get(name, str(default)).lower() == "true"
 
     f = cfg.train.fsdp
-    f.enabled = True
-    f.reshard_after_forward = flag("FSDP_RESHARD_AFTER_FORWARD", f.reshard_after_forward)
-    f.cpu_offload = flag("FSDP_OFFLOAD_PARAMS", f.cpu_offload)
-    if flag("FSDP_ACTIVATION_CHECKPOINTING", False):
-        cfg.train.gradient_checkpointing = True
+    fsdp = {"enabled": True, "reshard_after_forward": flag("FSDP_RESHARD_AFTER_FORWARD", f.reshard_after_forward),
+            "cpu_offload": flag("FSDP_OFFLOAD_PARAMS", f.cpu_offload)}
     if int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")) > 1:
-        f.shard_size = int(env.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", "0"))
+        fsdp["shard_size"] = int(env.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", "0"))
+    train = {"fsdp": f.model_copy(update=fsdp)}
+    if flag("FSDP_ACTIVATION_CHECKPOINTING", False):
+        train["gradient_checkpointing"] = True
     # flowrl builds its own (replicate, shard) mesh; accelerate's would be a second one it never uses
     env.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update=train)})
 
 
 def check_options(cfg, device: torch.device, world: int) -> None:

@@ -50,7 +50,8 @@ class FlopMeter:
     ``with meter.phase("rollout"): ...`` attributes the calls inside to that phase; ``meter.take()`` returns and
     resets ``{phase: flops}``. ``shapes_counted`` is how many distinct shapes ran under the FLOP counter."""
 
-    def __init__(self, modules: list[torch.nn.Module]):
+    def __init__(self, modules: list[torch.nn.Module | None]):
+        modules = [m for m in modules if m is not None]  # absent ones (no frozen expert, no reference) skipped
         self.cache: dict[tuple, int] = {}
         self.flops: dict[str, float] = {}
         self.current = None
@@ -129,3 +130,20 @@ def rates(flops: dict[str, float], seconds: dict[str, float], images: int, proce
     if peak_tflops:
         row["peak_tflops"] = peak_tflops
     return row
+
+
+class WorkCounts:
+    """The work a run has spent so far, in every metrics row and curve point: rollout evaluations, images scored
+    and seconds; a resumed run continues the counts of its last row."""
+
+    def __init__(self, last_row: dict | None = None):
+        self.counts = {"nfe_rollout_cum": 0, "rollouts_cum": 0, "seconds_cum": 0.0}
+        if last_row is not None:
+            self.counts = {k: last_row.get(k, 0) for k in self.counts}
+
+    def add(self, nfe: int, images: int, seconds: float) -> dict:
+        """Count one iteration's work; returns the totals."""
+        self.counts["nfe_rollout_cum"] += nfe
+        self.counts["rollouts_cum"] += images
+        self.counts["seconds_cum"] += seconds
+        return dict(self.counts)

@@ -9,12 +9,8 @@ CPU and ``resume`` continues it exactly.
 
 from __future__ import annotations
 
-import json
 import random
-import signal
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -23,24 +19,26 @@ from tqdm.auto import tqdm
 from . import report
 from .algorithms import AlgorithmContext, make_algorithm
 from .attention import attention_kernels
-from .callbacks import HeldOutMonitor, MetricsWriter, NoSignalStop, RewardCurvePlot, TrackerLog
-from .checkpoint import (checkpoint_is_lora, find_checkpoint, find_resume_checkpoint, load_run_state,
-                         save_checkpoint)
-from .config import Config
-from .distributed import Processes
-from .errors import ConfigError, FlowRLError, Stopped
+from .callbacks import built_in_callbacks
+from .checkpoint import (load_run_state, reference_checkpoints, resume_checkpoint, resume_start,
+                         save_run_checkpoint)
+from .config import Config, iteration_seed
+from .distributed import Processes, ShardedSampler
+from .errors import FlowRLError, Stopped
+from .memory import run_micro_batch, saved_micro_batch
 from .models import load_adapter
 from .objectives import TrainingParts, UpdateBatch
-from .optimise import optimise
+from .optimise import check_update_composition, optimise
 from .policy import Policy
 from .prompts import PromptSource
 from .registry import EVALUATORS, resolve
 from .rewards import build_reward_set
 from .rollout_runner import RolloutOptions, RolloutRunner
 from .rundir import RunFolder
-from .sampling import Sampler, kernel_options, peak_memory_mb, resolve_device
-from .throughput import rates
-
+from .sampling import Sampler, check_noise_lowpass, kernel_options, peak_memory_mb, resolve_device
+from .sharding import check_context, check_options, launch_config
+from .stop_signal import SigtermNoted
+from .throughput import FlopMeter, WorkCounts, device_peak_tflops, rates
 
 class Trainer:
     """Setup plus the loop: loads the model, the algorithm, rewards and the run folder, then runs iterations.
@@ -64,77 +62,29 @@ class Trainer:
 
     def __init__(self, cfg: Config, config_name: str = "run", run_dir: str | Path | None = None,
                  callbacks: list | None = None):
-        from .sharding import from_launch
-
-        from_launch(cfg)  # an FSDP accelerate config turns train.fsdp on
-        self.cfg = cfg
+        self.cfg = cfg = launch_config(cfg)  # under an FSDP accelerate launch, a copy with train.fsdp on
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.train.seed)
-        from .sharding import check_context
-
+        # --- everything that can fail on bad input happens before a model loads or the run folder is touched
         self.procs = Processes(self.device, context=cfg.train.context_parallel.degree)
         check_context(cfg, self.procs.processes)
-        if self.procs.world > cfg.sampler.rollout_batches:
-            raise ConfigError(f"sampler.rollout_batches={cfg.sampler.rollout_batches}: {self.procs.world} processes each "
-                              f"roll out whole prompt batches; set sampler.rollout_batches to at least "
-                              f"{self.procs.world} (a multiple of it keeps the processes evenly loaded)")
-        # --- everything that can fail on bad input happens before a model loads or the run folder is touched
-        self.prompts = PromptSource.from_config(cfg.data, cfg.train.seed, cfg.model)
-        self.rewards = build_reward_set(cfg.rewards)
-        evaluator = resolve(EVALUATORS, cfg.log.eval, "log.eval")() if cfg.log.eval != "none" else None
-        self.algorithm = make_algorithm(cfg)
-        self.algorithm.check_inputs(self.rewards, self.prompts)
-        self.rewards.check_metadata(self.prompts.prompts, self.prompts.metadata)  # e.g. GenEval's clauses
-        references = {name: find_checkpoint(path)  # a missing teacher fails before any work
-                      for name, path in self.algorithm.reference_checkpoints().items()}
-        for name, ckpt in references.items():  # a teacher's layout must fit the student's weights
-            if checkpoint_is_lora(ckpt) and not cfg.train.lora.enabled:
-                raise ConfigError(f"{cfg.algorithm.name}: the reference {ckpt}{f' ({name})' if name else ''} holds "
-                                  "LoRA weights and this run trains every weight (train.lora.enabled=false); give a "
-                                  "full checkpoint, or train with LoRA of the teacher's layout")
-        if cfg.train.fsdp.enabled:  # the mesh must fit the launch, the options the device
-            from .sharding import check_options
-
-            check_options(cfg, self.device, self.procs.processes)
-        resume_ckpt = find_resume_checkpoint(cfg, run_dir) if cfg.resume else None
-        if resume_ckpt is not None:
-            from .sharded_checkpoint import check_resume
-
-            check_resume(resume_ckpt, cfg, self.procs.processes)
-        self.start_iteration = 0
-        if resume_ckpt is not None:
-            self.start_iteration = int(json.loads((resume_ckpt / "state.json").read_text())["iteration"]) + 1
-            if cfg.train.iterations <= self.start_iteration:
-                raise ConfigError(f"resume: {resume_ckpt} ends at iteration {self.start_iteration} and "
-                                  f"train.iterations={cfg.train.iterations}; raise train.iterations to continue the run")
+        self.procs.check_rollout_batches(cfg.sampler.rollout_batches)
+        self.prompts, self.rewards, evaluator, self.algorithm = self._setup_task()
+        references = reference_checkpoints(self.algorithm.reference_checkpoints(), cfg.train.lora.enabled,
+                                           cfg.algorithm.name)
+        resume_ckpt = resume_checkpoint(cfg, run_dir, self.procs.processes)
+        self.start_iteration = 0 if resume_ckpt is None else resume_start(resume_ckpt, cfg.train.iterations)
         self.folder = RunFolder(self.procs.broadcast(RunFolder.plan(cfg, config_name, run_dir, resume_ckpt).path))
         self.run_dir = self.folder.path
         if resume_ckpt is not None and cfg.train.micro_batch == "auto":
-            self._saved_micro_batch(self.run_dir)  # a damaged micro_batch.json: one line before a model loads
+            saved_micro_batch(self.run_dir)  # a damaged micro_batch.json: one line before a model loads
         # --- the model, the policy and what trains it
-        if cfg.train.fsdp.enabled:  # only the main process reads the trained transformer's weights
-            from .models.common import sharded_loading
-
-            meta = not self.procs.is_main and getattr(cfg.model, "train_expert", "high_noise") == "high_noise"
-            with sharded_loading(meta_transformer=meta):
-                self.adapter = load_adapter(cfg.model, self.device)
-        else:
-            self.adapter = load_adapter(cfg.model, self.device)
+        # sharded, only the main process reads the trained transformer's weights
+        self.adapter = load_adapter(cfg.model, self.device, self.procs.is_main if cfg.train.fsdp.enabled else None)
         self.latent_shape = self.adapter.latent_shape(cfg.model.resolution)
-        if cfg.sampler.noise_lowpass > min(self.latent_shape[-2:]):
-            raise ConfigError(f"sampler.noise_lowpass={cfg.sampler.noise_lowpass}: the latent is only "
-                              f"{self.latent_shape[-2]} x {self.latent_shape[-1]}; use at most {min(self.latent_shape[-2:])}")
-        self.policy = Policy(cfg, self.adapter, self.device, self.procs)
-        if self.algorithm.keeps_old_policy:
-            self.policy.enable_old_policy()
+        self.policy = self._setup_policy()
         self.accelerator = self.policy.accelerator
-        # ODE sampling on the rollout grid (AdaGRPO's anchors) and on the evaluation grid (grids, held-out)
-        self.rollout_sampler = Sampler(cfg, self.adapter, num_steps=cfg.sampler.num_steps)
-        self.eval_sampler = Sampler(cfg, self.adapter)
-        if self.procs.distributed:  # held-out evaluations and grids: each process samples a share of the prompts
-            from .distributed import ShardedSampler
-
-            self.eval_sampler = ShardedSampler(self.eval_sampler, self.procs, equal_shares=cfg.train.fsdp.enabled)
+        self.rollout_sampler, self.eval_sampler = self._setup_samplers()
         self.sigmas, self.negative = self.rollout_sampler.sigmas, self.rollout_sampler.negative
         self.context = AlgorithmContext(self.prompts, self.rewards, self.rollout_sampler)
         for name, path in references.items():
@@ -143,68 +93,58 @@ class Trainer:
         options = kernel_options(cfg)
         self.objective = self.algorithm.make_objective(TrainingParts(
             cfg, self.adapter, self.policy, self.procs, self.sigmas, self.negative, options))
-        if cfg.train.update_composition == "rollout" and not hasattr(self.objective, "group_key"):
-            raise ConfigError(f"train.update_composition=rollout: {cfg.algorithm.name} does not recompute the "
-                              "rollout's transitions; set train.update_composition=micro_batch")
+        check_update_composition(self.objective, cfg)
         self.runner = RolloutRunner(self.adapter, self.rewards, self.procs,
                                     RolloutOptions.from_config(cfg, options, self.objective.needs_sampling_mean),
                                     self.sigmas, self.latent_shape, self.negative)
-        from .throughput import FlopMeter, device_peak_tflops
-
         # model FLOPs per phase, each input shape counted once (flowrl/throughput.py): every transformer that runs
-        transformers = [self.adapter.transformer, getattr(self.adapter, "frozen_expert", None), self.policy.frozen]
-        self.meter = FlopMeter([m for m in transformers if m is not None])
+        self.meter = FlopMeter([self.adapter.transformer, getattr(self.adapter, "frozen_expert", None),
+                                self.policy.frozen])
         self.peak_tflops = device_peak_tflops(self.device, cfg.train.peak_tflops)
         if resume_ckpt is not None:
             load_run_state(resume_ckpt, self.policy, self.algorithm, cfg)
         if self.procs.is_main:  # one process writes the run folder
             self.folder.open(cfg, self.start_iteration if resume_ckpt is not None else None,
                              self.accelerator if cfg.log.trackers else None)
-        if cfg.train.micro_batch == "auto":
-            cfg.train.micro_batch = self._auto_micro_batch(resume_ckpt is not None)
+        # what is derived lives beside the config, which stays as given: the update's micro-batch, resolved
+        self.micro_batch = run_micro_batch(cfg, self.run_dir, self.device, self.procs, resume_ckpt is not None)
+        self.train_options = cfg.train.model_copy(update={"micro_batch": self.micro_batch})
         self.procs.barrier()
-        self.callbacks = ([MetricsWriter()] + ([HeldOutMonitor(evaluator, cfg)] if evaluator is not None else [])
-                          + [RewardCurvePlot()] + ([TrackerLog()] if cfg.log.trackers else [])
-                          + ([NoSignalStop(cfg.log.stop_without_signal)] if cfg.log.stop_without_signal else [])
-                          + list(callbacks or []))
-        # the work spent so far (a resumed run continues its counts), in every row and curve point
-        self.work = {"nfe_rollout_cum": 0, "rollouts_cum": 0, "seconds_cum": 0.0}
-        rows = report.read_metrics(self.folder.metrics)
-        if rows:
-            self.work = {k: rows[-1].get(k, 0) for k in self.work}
-        self._stop_signal = None
+        self.callbacks = built_in_callbacks(cfg, evaluator) + list(callbacks or [])
+        self.work = WorkCounts((report.read_metrics(self.folder.metrics) or [None])[-1])
+        self._sigterm = SigtermNoted()
 
-    @staticmethod
-    def _saved_micro_batch(run_dir: Path) -> int | None:
-        """The micro-batch a resumed run chose when it started (micro_batch.json), checked: a whole number >= 1,
-        or one line saying what to do."""
-        path = run_dir / "micro_batch.json"
-        if not path.is_file():
-            return None
-        try:
-            value = json.loads(path.read_text(encoding="utf-8"))["micro_batch"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"resume: {path} is unreadable ({type(exc).__name__}); delete it to choose the "
-                              "micro-batch again, or set train.micro_batch to the run's number") from exc
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"resume: {path} holds micro_batch={value!r}, not a whole number >= 1; delete it to "
-                              "choose the micro-batch again, or set train.micro_batch to the run's number")
-        return value
+    # ------------------------------------------------------------------------------------------ setup steps
+    def _setup_task(self) -> tuple:
+        """The prompts, the rewards, the held-out evaluator and the algorithm, each checked against the others (e.g.
+        GenEval's clauses), and the FSDP options against the launch and the device."""
+        cfg = self.cfg
+        prompts = PromptSource.from_config(cfg.data, cfg.train.seed, cfg.model)
+        rewards = build_reward_set(cfg.rewards)
+        evaluator = resolve(EVALUATORS, cfg.log.eval, "log.eval")() if cfg.log.eval != "none" else None
+        algorithm = make_algorithm(cfg)
+        algorithm.check_inputs(rewards, prompts)
+        rewards.check_metadata(prompts.prompts, prompts.metadata)
+        if cfg.train.fsdp.enabled:
+            check_options(cfg, self.device, self.procs.processes)
+        return prompts, rewards, evaluator, algorithm
 
-    def _auto_micro_batch(self, resuming: bool) -> int:
-        """``train.micro_batch=auto``: the micro-batch chosen when the run started (micro_batch.json in the run
-        folder), or, on a new run, the largest that flowrl memory's estimate fits in the device's memory."""
-        saved = self._saved_micro_batch(self.run_dir) if resuming else None
-        path = self.run_dir / "micro_batch.json"
-        if saved is not None:
-            return saved
-        from .memory import auto_micro_batch
+    def _setup_policy(self) -> Policy:
+        """The trained weights, their optimizer, and the old policy where the algorithm keeps one."""
+        check_noise_lowpass(self.cfg, self.latent_shape)
+        policy = Policy(self.cfg, self.adapter, self.device, self.procs)
+        if self.algorithm.keeps_old_policy:
+            policy.enable_old_policy()
+        return policy
 
-        chosen = None
-        if self.procs.is_main:  # the main process chooses, and every process takes its choice
-            chosen, why = auto_micro_batch(self.cfg, self.device, self.procs.processes)
-            report.atomic_write_bytes(path, json.dumps(why, indent=1).encode())
-        return self.procs.broadcast(chosen)
+    def _setup_samplers(self) -> tuple[Sampler, Sampler]:
+        """ODE sampling on the rollout grid (AdaGRPO's anchors) and on the evaluation grid (grids, held-out); with
+        several processes each samples a share of the evaluation prompts."""
+        cfg = self.cfg
+        rollout, evaluation = Sampler(cfg, self.adapter, num_steps=cfg.sampler.num_steps), Sampler(cfg, self.adapter)
+        if self.procs.distributed:
+            evaluation = ShardedSampler(evaluation, self.procs, equal_shares=cfg.train.fsdp.enabled)
+        return rollout, evaluation
 
     # ------------------------------------------------------------------------------------------ the loop
     def train(self) -> Path:
@@ -219,7 +159,7 @@ class Trainer:
                    disable=not (cfg.log.progress and self.procs.is_main),
                    initial=self.start_iteration, total=cfg.train.iterations)
         # the reward worker ends with training; the attention kernels hold for every rollout, update and sample
-        with self.runner, self._sigterm_stops_after_the_iteration(), attention_kernels(cfg.train.attention_backend):
+        with self.runner, self._sigterm, attention_kernels(cfg.train.attention_backend):
             if self.start_iteration == 0:
                 self.sample_grid(0)
             for callback in self.callbacks:
@@ -233,10 +173,10 @@ class Trainer:
                 last = it == cfg.train.iterations - 1 or bool(stops)
                 if last or (cfg.log.sample_every and (it + 1) % cfg.log.sample_every == 0):
                     self.sample_grid(it + 1)
-                stop_signal = self.procs.any(self._stop_signal is not None)  # a SIGTERM that reached any process
+                stop_signal = self.procs.any(self._sigterm.received is not None)  # a SIGTERM that reached any process
                 if last or stop_signal or (cfg.log.save_every and (it + 1) % cfg.log.save_every == 0):
                     ckpt = self.save(it)
-                    stop_signal = self.procs.any(self._stop_signal is not None)  # or one that came during the save
+                    stop_signal = self.procs.any(self._sigterm.received is not None)  # or one that came during the save
                 if stop_signal and not last:
                     bar.close()
                     raise Stopped(f"stopped by SIGTERM after iteration {it}; checkpoint {ckpt}; continue with "
@@ -246,7 +186,7 @@ class Trainer:
         with attention_kernels(cfg.train.attention_backend):
             for callback in self.callbacks:
                 callback.on_train_end(self)
-        if self._stop_signal is not None:  # it came during the last iteration or its save: the run is whole
+        if self._sigterm.received is not None:  # it came during the last iteration or its save: the run is whole
             raise Stopped(f"stopped by SIGTERM at the end of the run, which is complete (its last checkpoint: {ckpt})")
         return self.run_dir
 
@@ -259,8 +199,8 @@ class Trainer:
             The iteration's metrics row (what ``metrics.jsonl`` gets).
         """
         cfg, algo = self.cfg, self.algorithm
-        gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + it)
-        plan = algo.plan(it, random.Random(cfg.train.seed * 1_000_003 + it), self.sigmas)
+        gen = torch.Generator().manual_seed(iteration_seed(cfg.train.seed, it))
+        plan = algo.plan(it, random.Random(iteration_seed(cfg.train.seed, it)), self.sigmas)
         row: dict = {"iteration": it}
         t0 = time.perf_counter()
         self.adapter.transformer.eval()
@@ -280,27 +220,23 @@ class Trainer:
         masks = [m & k for m, k in zip(masks, keep)]
         with self.meter.phase("update"):
             train_stats = optimise(self.objective, UpdateBatch(tree, cond, node_adv, masks), self.policy, self.procs,
-                                   cfg.train, gen, it)
+                                   self.train_options, gen, it)
         if self.policy.old is not None:
             self.policy.follow_old(algo.old_decay(it))
         algo.observe_update(train_stats)
         t3 = time.perf_counter()
-        row.update(scores.summary())
         leaves = int(tree.leaf_group.numel())
-        self.work["nfe_rollout_cum"] += tree.nfe + row.get("curriculum/nfe", 0)
-        self.work["seconds_cum"] += t3 - t0
-        self.work["rollouts_cum"] += leaves + row.get("curriculum/images", 0)  # images scored
-        row.update(adv_stats)
-        row.update(train_stats)
-        row.update({
+        row.update({**scores.summary(), **adv_stats, **train_stats,
             "nfe_rollout": tree.nfe, "transformer_calls_rollout": tree.transformer_calls,
             "leaves": leaves, **{f"plan/{k}": v for k, v in plan.accounting().items()},
             **{f"plan/{k}": v for k, v in plan.notes.items()},
-            "micro_batch": cfg.train.micro_batch, "seconds_train": t3 - t2,
+            "micro_batch": self.micro_batch, "seconds_train": t3 - t2,
             "peak_memory_mb": peak_memory_mb(self.device), **self.policy.memory_mb(),
             **rates(self.meter.take(), {"rollout": timing["seconds_rollout"], "update": t3 - t2}, leaves,
                     self.procs.processes, self.peak_tflops),
-            **self.work,
+            # the curriculum's extra rollouts (AdaGRPO) count as work too
+            **self.work.add(tree.nfe + row.get("curriculum/nfe", 0), leaves + row.get("curriculum/images", 0),
+                            t3 - t0),
         })
         return row
 
@@ -317,37 +253,6 @@ class Trainer:
                                 title=f"iteration {it} (ODE, {cfg.sampler.eval_num_steps} steps; seeds {seeds})")
 
     def save(self, it: int) -> Path:
-        """The main process writes the checkpoint (every process holds the same weights and state); the others
-        wait for it, so a resume that follows reads it whole. Sharded, every process writes its shards."""
-        p = self.policy
-        path = self.run_dir / "checkpoints" / f"iter_{it:05d}"
-        if p.sharded:
-            from .sharded_checkpoint import save_sharded_checkpoint
-
-            return save_sharded_checkpoint(path, p, self.adapter, self.procs, it,
-                                           extra={"algorithm_state": self.algorithm.state_dict()},
-                                           keep=self.cfg.log.keep_checkpoints)
-        if self.procs.is_main:
-            path = save_checkpoint(path, self.adapter, p.module, p.optimizer, it, lora=p.lora, ema=p.ema,
-                                   extra={"algorithm_state": self.algorithm.state_dict()},
-                                   keep=self.cfg.log.keep_checkpoints,
-                                   tensors={"old_policy": p.old} if p.old is not None else None)
-        self.procs.barrier()
-        return path
-
-    @contextmanager
-    def _sigterm_stops_after_the_iteration(self):
-        """SIGTERM (what schedulers send before killing a job) finishes the current iteration, saves a
-        checkpoint and stops; the default handler comes back afterwards."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def note(signum, frame):
-            self._stop_signal = signum
-
-        previous = signal.signal(signal.SIGTERM, note)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        """Iteration ``it``'s checkpoint, complete on disk for every process when this returns."""
+        return save_run_checkpoint(self.run_dir, it, self.policy, self.adapter, self.procs,
+                                   self.algorithm.state_dict(), self.cfg.log.keep_checkpoints)

@@ -22,7 +22,7 @@ LAYERS = [
     ("eval / bench", ["flowrl.evaluate", "flowrl.bench", "flowrl.gpu_bench", "flowrl.gpu_check"]),
     ("train", ["flowrl.trainer", "flowrl.callbacks", "flowrl.optimise", "flowrl.rollout_runner", "flowrl.policy",
                "flowrl.checkpoint", "flowrl.sharded_checkpoint", "flowrl.rundir", "flowrl.distributed",
-               "flowrl.sharding", "flowrl.throughput", "flowrl.memory"]),
+               "flowrl.sharding", "flowrl.throughput", "flowrl.memory", "flowrl.stop_signal"]),
     ("algorithms", ["flowrl.algorithms", "flowrl.algorithms.*"]),
     ("objectives / losses / advantages", ["flowrl.objectives", "flowrl.advantages", "flowrl.losses", "flowrl.trees", "flowrl.chunks", "flowrl.trackers"]),
     ("rewards / rollout / prompts", ["flowrl.rewards", "flowrl.rewards.*", "flowrl.engine", "flowrl.sampling",

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from ..config import opt
+from ..config import iteration_seed, opt
 from ..errors import ConfigError
 from ..trackers import CapabilityEMA, adagrpo_advantages
 from .tempflow_grpo import SideOptions, TempFlowGRPO
@@ -42,7 +42,7 @@ class AdaGRPO(TempFlowGRPO):
         """Score one ODE anchor per candidate, update the capability EMA, keep the candidates nearest it."""
         cand, meta = ctx.prompts.batch(it, self.opts.candidates)
         t0 = time.perf_counter()
-        anchors = ctx.sample(cand, [self.cfg.train.seed * 1_000_003 + it])
+        anchors = ctx.sample(cand, [iteration_seed(self.cfg.train.seed, it)])
         scores = ctx.rewards(anchors, cand, meta).total
         self.capability.update(scores[torch.isfinite(scores)])
         keep = self.capability.closest(torch.nan_to_num(scores, nan=float("inf")), self.cfg.train.prompts_per_iter)

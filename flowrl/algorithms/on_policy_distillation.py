@@ -15,8 +15,6 @@ update's ratio is still logged and is 1."""
 
 from __future__ import annotations
 
-import torch
-
 from ..config import opt
 from ..errors import ConfigError
 from .flow_grpo import FlowGRPO, FlowGRPOOptions
