@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.flowrl-installed
 
-.PHONY: demo demo-video test test-slow bench bench-gpu gpu-check docs docs-serve setup clean
+.PHONY: demo demo-video test test-heavy test-all test-slow bench bench-gpu gpu-check docs docs-serve setup clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,15 @@ demo: $(STAMP)
 demo-video: $(STAMP)
 	$(VENV)/bin/flowrl train configs/tiny_video_default.yaml
 
+# the quick suite (under 6 minutes on two cores); test-heavy the end-to-end, sharded, subprocess and site tests;
+# test-all both in one run (what CI runs)
 test: $(STAMP)
+	$(PY) -m pytest -q -m 'not slow and not gpu and not heavy'
+
+test-heavy: $(STAMP)
+	$(PY) -m pytest -q -m 'heavy and not slow and not gpu'
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q
 
 test-slow: $(STAMP)

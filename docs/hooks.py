@@ -67,3 +67,13 @@ installed_layout()  # when mkdocs loads this hook, before mkdocstrings looks for
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     return MARKER.sub(lambda m: fill(m.group(1), m.group(2)), markdown)
+
+
+# a Sphinx role left in a docstring (``:meth:`~Objective.begin_minibatch```), as mkdocstrings renders it
+ROLE = re.compile(r":(?:meth|class|func|attr|data|mod|exc|obj):<code>(~?)([\w.]+)(\(\))?</code>")
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    """The docstrings' Sphinx roles as plain code (``~`` keeps the last name only, as Sphinx shows it)."""
+    return ROLE.sub(lambda m: f"<code>{m.group(2).rsplit('.', 1)[-1] if m.group(1) else m.group(2)}"
+                              f"{m.group(3) or ''}</code>", html)

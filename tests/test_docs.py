@@ -37,6 +37,8 @@ def test_the_site_builds_strict_without_warnings(site):
                  "reference/api/index.html", "search/search_index.json"):
         assert (out / page).is_file(), page
     assert not (out / "hooks.py").exists()
+    api = (out / "reference/api/index.html").read_text()
+    assert "begin_minibatch" in api and not re.search(r":(meth|class|func|attr|data|mod):<code>", api)
 
 
 def _schema_leaves(schema: dict) -> int:
