@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from .cli_types import Parser, batch_size, port, positive_int, positive_number, power_of_two
-from .registry import COMMANDS, resolve
+from .registry import COMMANDS
 from .errors import ConfigError, FlowRLError
 
 
@@ -98,7 +98,7 @@ def _evaluator(cfg):
     if cfg.log.eval == "none":
         raise FlowRLError("flowrl eval: the config has no held-out evaluator; give a config with log.eval set, or "
                           "--prompts / --reward for a reward table")
-    return resolve(EVALUATORS, cfg.log.eval, "log.eval")()
+    return EVALUATORS.resolve(cfg.log.eval)()
 
 
 def _split_name(split: str, cfg) -> str:
@@ -699,8 +699,8 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("--max-mb", type=positive_number, default=64.0, help="largest request body accepted, in MiB")
     sr.set_defaults(func=cmd_serve_reward)
 
-    for name in sorted(COMMANDS):  # commands that plug-ins register (the tiny demo's pretraining among them)
-        resolve(COMMANDS, name, "command")(sub)
+    for name in COMMANDS.names():  # commands that plug-ins register or install (the tiny demo's pretraining among them)
+        COMMANDS.resolve(name)(sub)
     for sp in sub.choices.values():  # the positional arguments every config-taking command shares
         for action in sp._actions:
             if action.help is None and action.dest in _SHARED_HELP:

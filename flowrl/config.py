@@ -150,10 +150,11 @@ class ModelConfig(Section):
 def _known_family(value: str) -> str:
     from .registry import MODEL_FAMILIES
 
-    if value not in MODEL_FAMILIES and ":" not in value:
-        close = difflib.get_close_matches(value, list(MODEL_FAMILIES), n=1)
+    known = MODEL_FAMILIES.names()  # built-in, registered and installed
+    if value not in known and ":" not in value:
+        close = difflib.get_close_matches(value, known, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"{value!r} is not one of {', '.join(MODEL_FAMILIES)}{hint} (or module:Class of a plug-in)")
+        raise ValueError(f"{value!r} is not one of {', '.join(known)}{hint} (or module:Class of a plug-in)")
     return value
 
 
@@ -771,7 +772,7 @@ def json_schema() -> dict:
     defs.pop("AlgorithmOptions", None)
     name_doc = AlgorithmOptions.model_fields["name"].description
     alternatives = []
-    for name in sorted(ALGORITHMS):
+    for name in ALGORITHMS.names():
         alt = algorithm_class(name).Options.model_json_schema()
         defs.update(alt.pop("$defs", {}))
         alt["title"] = name
@@ -791,7 +792,7 @@ def explain(key: str) -> str:
     for depth, part in enumerate(parts):
         if cls is AlgorithmOptions:  # the options of the algorithms that have this key (the default one first)
             default = AlgorithmOptions.model_fields["name"].default
-            names = sorted(ALGORITHMS, key=lambda n: n != default)
+            names = sorted(ALGORITHMS.names(), key=lambda n: n != default)
             having = [n for n in names if part in algorithm_class(n).Options.model_fields]
             if not having:
                 raise ConfigError(f"{key}: no algorithm has the option {part!r} (see `flowrl config schema`)")

@@ -24,9 +24,9 @@ DEFAULT_TINY_PROMPTS = [
 
 def prompt_set(name: str) -> list[str]:
     """A registered prompt set (``flowrl.registry.PROMPT_SETS``) or ``module:function`` returning prompts."""
-    from .registry import PROMPT_SETS, resolve
+    from .registry import PROMPT_SETS
 
-    return list(resolve(PROMPT_SETS, name, "data.prompt_set")())
+    return list(PROMPT_SETS.resolve(name)())
 
 
 def read_prompt_file(path: str | Path) -> tuple[list[str], list[dict]]:

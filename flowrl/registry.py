@@ -1,9 +1,12 @@
-"""Names -> implementations, resolved lazily by import path.
+"""Names -> implementations, one mechanism for every kind of plug-in: algorithms, model families, rewards,
+prompt sets, evaluators, embedded model names and command groups.
 
-The core never imports an algorithm module, the shapes demo or a user's plug-in by module name: it asks this
-registry, whose built-in entries are ``"module:attribute"`` strings imported on first use. A user plugs in their
-own algorithm, prompt set or evaluator with ``register_*`` (in-process) or by giving ``module:attribute`` as the
-name in a config, as rewards already allow.
+The core never imports an algorithm module, a family, the shapes demo or a user's plug-in by module name: it asks
+a :class:`Registry`, whose built-in entries are ``"module:attribute"`` strings imported on first use. A user adds
+their own in three ways: ``REGISTRY.register(name, obj)`` (or as a decorator) in-process; ``module:attribute`` as
+the name in a config (the current folder is searched, as ``python -m`` searches it); or, for an installed
+package, an entry point in the registry's group (``[project.entry-points.flowrl_algorithms]`` in its
+pyproject.toml: ``my_method = "my_package.methods:MyMethod"``), found by name without an import in the config.
 """
 
 from __future__ import annotations
@@ -16,7 +19,73 @@ from typing import Any
 
 from .errors import ConfigError
 
-ALGORITHMS: dict[str, Any] = {
+
+class Registry(dict):
+    """One kind of plug-in by name: values are the objects, or ``"module:attribute"`` strings until first use.
+
+    Args:
+        what: the config key the names come from, for messages (``"algorithm.name"``).
+        entries: the built-in names.
+        group: the entry-point group installed packages add names to (``"flowrl_algorithms"``).
+        error: the exception class of a bad name (:class:`~flowrl.errors.ConfigError` unless given).
+    """
+
+    def __init__(self, what: str, entries: dict[str, Any] | None = None, group: str | None = None,
+                 error: type[Exception] = ConfigError):
+        super().__init__(entries or {})
+        self.what, self.group, self.error = what, group, error
+
+    def register(self, name: str, obj: Any = None):
+        """``registry.register("name", obj)``, or ``@registry.register("name")`` on a class or function."""
+        if obj is None:
+            return lambda target: self.register(name, target) or target
+        self[name] = obj
+        return obj
+
+    def _entry_points(self) -> dict[str, Any]:
+        if self.group is None:
+            return {}
+        from importlib.metadata import entry_points
+
+        return {ep.name: ep for ep in entry_points(group=self.group)}
+
+    def names(self) -> list[str]:
+        """Every name this registry answers to: built-in, registered and installed (entry points), sorted."""
+        return sorted(set(self) | set(self._entry_points()))
+
+    def resolve(self, name: str):
+        """The object registered under ``name`` (imported on first use), an installed entry point's, or
+        ``module:attribute`` for a plug-in; one line naming the closest known name otherwise."""
+        entry = self.get(name)
+        if entry is None and ":" in name:
+            entry = name
+        if entry is None:
+            found = self._entry_points().get(name)
+            if found is not None:
+                entry = f"{found.module}:{found.attr}" if found.attr else found.module
+        if entry is None:
+            close = difflib.get_close_matches(name, self.names(), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise self.error(f"{self.what}: unknown name {name!r}{hint} (known: {', '.join(self.names())}; or give "
+                             "module:attribute)")
+        if isinstance(entry, str):
+            entry = self._import(entry)
+            if ":" not in name:  # a built-in or installed name imports once; module:attribute is not kept
+                self[name] = entry
+        return entry
+
+    def _import(self, path: str):
+        module, _, attr = path.partition(":")
+        try:
+            obj = import_plugin(module)
+        except ImportError as exc:
+            raise self.error(f"{self.what}: cannot import module {module!r} ({exc})") from exc
+        if attr and not hasattr(obj, attr):
+            raise self.error(f"{self.what}: module {module!r} has no attribute {attr!r}")
+        return getattr(obj, attr) if attr else obj
+
+
+ALGORITHMS = Registry("algorithm.name", {
     name: f"flowrl.algorithms.{name}:{cls}" for name, cls in [
         ("flow_grpo", "FlowGRPO"), ("flow_grpo_fast", "FlowGRPOFast"), ("mix_grpo", "MixGRPO"),
         ("dance_grpo", "DanceGRPO"), ("branch_grpo", "BranchGRPO"), ("tempflow_grpo", "TempFlowGRPO"),
@@ -27,31 +96,33 @@ ALGORITHMS: dict[str, Any] = {
         ("dgpo", "DGPO"), ("gardo", "GARDO"), ("refl", "ReFL"), ("on_policy_distillation", "OnPolicyDistillation"),
         ("euphonium", "Euphonium"), ("ac_flow", "ACFlow"),
     ]
-}
+}, group="flowrl_algorithms")
 # model families (model.family): a ModelAdapter class with from_config(model_cfg, device)
-MODEL_FAMILIES: dict[str, Any] = {
+MODEL_FAMILIES = Registry("model.family", {
     "sd3": "flowrl.models.sd3:SD3Adapter", "flux": "flowrl.models.flux:FluxAdapter",
     "flux2": "flowrl.models.flux2:Flux2Adapter", "qwenimage": "flowrl.models.qwenimage:QwenImageAdapter",
     "wan": "flowrl.models.wan:WanAdapter",
-}
+}, group="flowrl_model_families")
 # built-in prompt sets: a function returning the list of prompts
-PROMPT_SETS: dict[str, Any] = {
+PROMPT_SETS = Registry("data.prompt_set", {
     "shapes-train": "flowrl.shapes.domain:train_prompts",
     "shapes-heldout": "flowrl.shapes.domain:heldout_prompts",
     "moving-shapes-train": "flowrl.shapes.moving:train_prompts",
     "moving-shapes-heldout": "flowrl.shapes.moving:heldout_prompts",
-}
+}, group="flowrl_prompt_sets")
 # held-out evaluators (log.eval): a class built with no arguments, called as evaluator(sample_fn, seeds)
-EVALUATORS: dict[str, Any] = {"shapes": "flowrl.shapes.evaluate:ShapesEvaluator",
-                              "moving-shapes": "flowrl.shapes.evaluate:MovingShapesEvaluator"}
+EVALUATORS = Registry("log.eval", {"shapes": "flowrl.shapes.evaluate:ShapesEvaluator",
+                                   "moving-shapes": "flowrl.shapes.evaluate:MovingShapesEvaluator"},
+                      group="flowrl_evaluators")
 # command-line subcommands that plug-ins add: a function(subparsers) that adds them
-COMMANDS: dict[str, Any] = {"shapes-demo": "flowrl.shapes.commands:add_commands"}
+COMMANDS = Registry("command", {"shapes-demo": "flowrl.shapes.commands:add_commands"}, group="flowrl_commands")
 # pretrained model names that are not hub ids: a function(model_cfg) -> diffusers pipeline
-MODEL_NAMES: dict[str, Any] = {"tiny-shapes": "flowrl.shapes.image_model:load_tiny_shapes_pipeline",
-                               "tiny-moving-shapes": "flowrl.shapes.video_model:load_tiny_moving_shapes_pipeline",
-                               # published architectures with random weights (time and memory at real size)
-                               "random-sd3.5-medium": "flowrl.models.published:random_sd35_medium",
-                               "random-sd3.5-medium-shrunk": "flowrl.models.published:random_sd35_medium_shrunk"}
+MODEL_NAMES = Registry("model.pretrained", {
+    "tiny-shapes": "flowrl.shapes.image_model:load_tiny_shapes_pipeline",
+    "tiny-moving-shapes": "flowrl.shapes.video_model:load_tiny_moving_shapes_pipeline",
+    # published architectures with random weights (time and memory at real size)
+    "random-sd3.5-medium": "flowrl.models.published:random_sd35_medium",
+    "random-sd3.5-medium-shrunk": "flowrl.models.published:random_sd35_medium_shrunk"})
 
 
 def import_plugin(module: str):
@@ -67,54 +138,22 @@ def import_plugin(module: str):
         return importlib.import_module(module)
 
 
-def _import(path: str, what: str):
-    module, _, attr = path.partition(":")
-    try:
-        obj = import_plugin(module)
-    except ImportError as exc:
-        raise ConfigError(f"{what}: cannot import module {module!r} ({exc})") from exc
-    if attr and not hasattr(obj, attr):
-        raise ConfigError(f"{what}: module {module!r} has no attribute {attr!r}")
-    return getattr(obj, attr) if attr else obj
-
-
-def resolve(table: dict[str, Any], name: str, what: str):
-    """The object registered under ``name`` (imported on first use), or ``module:attribute`` for a plug-in."""
-    entry = table.get(name)
-    if entry is None and ":" in name:
-        entry = name
-    if entry is None:
-        close = difflib.get_close_matches(name, list(table), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"{what}: unknown name {name!r}{hint} (known: {', '.join(sorted(table))}; or give "
-                          "module:attribute)")
-    if isinstance(entry, str):
-        entry = _import(entry, what)
-        if name in table:
-            table[name] = entry
-    return entry
-
-
-def register(table: dict[str, Any], name: str, obj) -> None:
-    table[name] = obj
-
-
 def algorithm_class(name: str):
-    return resolve(ALGORITHMS, name, "algorithm.name")
+    return ALGORITHMS.resolve(name)
 
 
 def register_algorithm(name: str, cls) -> None:
     """Make ``cls`` (a subclass of :class:`flowrl.algorithms.FlowGRPO` with its own ``Options``) available
     as ``algorithm.name: <name>``."""
-    register(ALGORITHMS, name, cls)
+    ALGORITHMS.register(name, cls)
 
 
 def adapter_class(name: str):
     """The model adapter class of ``model.family`` (a registered family or ``module:Class``)."""
-    return resolve(MODEL_FAMILIES, name, "model.family")
+    return MODEL_FAMILIES.resolve(name)
 
 
 def register_model_family(name: str, cls) -> None:
     """Make ``cls`` (a :class:`flowrl.models.base.ModelAdapter` with ``from_config``) available as
     ``model.family: <name>``."""
-    register(MODEL_FAMILIES, name, cls)
+    MODEL_FAMILIES.register(name, cls)

@@ -31,7 +31,7 @@ from .objectives import TrainingParts, UpdateBatch
 from .optimise import check_update_composition, optimise
 from .policy import Policy
 from .prompts import PromptSource
-from .registry import EVALUATORS, resolve
+from .registry import EVALUATORS
 from .rewards import build_reward_set
 from .rollout_runner import RolloutOptions, RolloutRunner
 from .rundir import RunFolder
@@ -121,7 +121,7 @@ class Trainer:
         cfg = self.cfg
         prompts = PromptSource.from_config(cfg.data, cfg.train.seed, cfg.model)
         rewards = build_reward_set(cfg.rewards)
-        evaluator = resolve(EVALUATORS, cfg.log.eval, "log.eval")() if cfg.log.eval != "none" else None
+        evaluator = EVALUATORS.resolve(cfg.log.eval)() if cfg.log.eval != "none" else None
         algorithm = make_algorithm(cfg)
         algorithm.check_inputs(rewards, prompts)
         rewards.check_metadata(prompts.prompts, prompts.metadata)

@@ -16,7 +16,6 @@ from flowrl.errors import RewardError
 
 from .backbones import HFClip
 from .loading import check_images, load_strict, read_state_dict
-from .registry import register_reward
 
 HEAD_FILE = "sac+logos+ava1-l14-linearMSE.pth"
 HEAD_SOURCE = "https://github.com/christophschuhmann/improved-aesthetic-predictor"
@@ -35,7 +34,6 @@ class AestheticHead(nn.Module):
         return self.layers(embeddings).squeeze(-1)
 
 
-@register_reward("aesthetic")
 class AestheticReward:
     """``clip``: folder or hub id of the CLIP ViT-L/14 (default openai/clip-vit-large-patch14);
     ``head``: path to ``sac+logos+ava1-l14-linearMSE.pth`` (or a .safetensors with the same keys)."""

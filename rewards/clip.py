@@ -26,7 +26,6 @@ from flowrl.resources import assets_dir
 
 from .backbones import PREPROCESS_MODES, HFClip, clip_pixels, normalize
 from .loading import check_images, load_strict
-from .registry import register_reward
 
 TINY_CLIP_DIR = assets_dir() / "tiny_clip"
 
@@ -88,7 +87,6 @@ def scale_cosine(cos: torch.Tensor, convention: str, logit_scale: float) -> torc
     return logit_scale * cos / 30.0  # flow_grpo
 
 
-@register_reward("clip")
 class ClipScore:
     """CLIP score. ``model="tiny-shapes"`` (default) uses the shipped tiny CLIP; otherwise an open_clip model
     name with ``pretrained`` (a tag the user's machine can download, or a local checkpoint path), or with

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .registry import register_reward
 
 THRESHOLD, COUNTING_THRESHOLD, MAX_OBJECTS, POSITION_THRESHOLD = 0.3, 0.9, 16, 0.1
 COLORS = ["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white"]
@@ -207,7 +206,6 @@ class ColorClassifier:
         return [COLORS[i] for i in sims.argmax(1).tolist()]
 
 
-@register_reward("geneval")
 class GenEvalReward:
     """GenEval's verdict as a reward: an open-vocabulary detector from transformers (OWLv2 / OWL-ViT, by hub id
     or local folder) queried with the classes of each prompt's metadata, the colour rule on CLIP, and

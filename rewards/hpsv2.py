@@ -16,7 +16,6 @@ from flowrl.errors import RewardError
 
 from .backbones import clip_pixels
 from .loading import check_images, load_strict, read_state_dict, resolve_file, to_uint8
-from .registry import register_reward
 
 HPS_REPO = "xswu/HPSv2"
 HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
@@ -36,7 +35,6 @@ def build_open_clip_model(model: str | dict):
     return open_clip.create_model(model, pretrained=None)
 
 
-@register_reward("hpsv2")
 class HPSv2:
     """``version`` v2.1 (default; Flow-GRPO, DanceGRPO) or v2.0; ``checkpoint``: a local file or folder
     (default: the version's file from xswu/HPSv2); ``model``: the open_clip architecture (ViT-H-14)."""

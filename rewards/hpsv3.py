@@ -22,7 +22,6 @@ import torch
 
 from .loading import check_images, to_pil
 from .qwen_vl import load_qwen_vl_reward, resized_side
-from .registry import register_reward
 
 REWARD_TOKEN = "<|Reward|>"
 
@@ -50,7 +49,6 @@ Textual prompt - {text_prompt}
 REQUEST = " Please provide the overall ratings of this image: <|Reward|> END "
 
 
-@register_reward("hpsv3")
 class HPSv3:
     """Args:
         checkpoint: ``HPSv3.safetensors``: a file, a folder holding it, or None for the hub repository

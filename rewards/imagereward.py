@@ -14,10 +14,8 @@ import torch
 from flowrl.errors import RewardError
 
 from .loading import check_images, to_pil
-from .registry import register_reward
 
 
-@register_reward("imagereward")
 class ImageReward:
     def __init__(self, name: str = "ImageReward-v1.0", download_root: str | None = None, device: str = "cpu"):
         try:

@@ -12,7 +12,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .registry import register_reward
 
 
 def jpeg_sizes_kb(images: torch.Tensor, quality: int = 95) -> np.ndarray:
@@ -26,7 +25,6 @@ def jpeg_sizes_kb(images: torch.Tensor, quality: int = 95) -> np.ndarray:
     return np.asarray(sizes, dtype=np.float64)
 
 
-@register_reward("jpeg_compressibility")
 class JpegCompressibility:
     def __init__(self, scale: float = 500.0, quality: int = 95):
         self.scale, self.quality = scale, quality
@@ -35,7 +33,6 @@ class JpegCompressibility:
         return -jpeg_sizes_kb(images, self.quality) / self.scale
 
 
-@register_reward("jpeg_incompressibility")
 class JpegIncompressibility:
     def __init__(self, scale: float = 1.0, quality: int = 95):
         self.scale, self.quality = scale, quality

@@ -21,7 +21,6 @@ import torch
 
 from flowrl.errors import RewardError
 
-from .registry import register_reward
 
 
 def target_text(prompt: str) -> str:
@@ -48,7 +47,6 @@ def text_score(read: str, target: str) -> float:
     return 1.0 - distance / len(target)
 
 
-@register_reward("ocr")
 class OCRReward:
     """Scores text rendering with RapidOCR.
 

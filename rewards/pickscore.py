@@ -15,12 +15,10 @@ from flowrl.errors import RewardError
 
 from .backbones import HFClip
 from .loading import check_images
-from .registry import register_reward
 
 SCALES = ("official", "flow_grpo", "cosine")
 
 
-@register_reward("pickscore")
 class PickScore:
     def __init__(self, model="yuvalkirstain/PickScore_v1", processor: str | None = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
                  scale: str = "official", device: str = "cpu"):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from collections.abc import Callable
@@ -11,34 +10,36 @@ from dataclasses import dataclass
 import torch
 
 from flowrl.errors import RewardError
+from flowrl.registry import Registry
 
-REWARDS: dict[str, Callable[..., Callable]] = {}
-# rewards that live outside this package (the shapes demo): imported on first use, which registers them
-LAZY_REWARDS = {"shapes": "flowrl.shapes.reward", "shapes_accuracy": "flowrl.shapes.reward",
-                "moving_shapes": "flowrl.shapes.video_reward", "moving_shapes_accuracy": "flowrl.shapes.video_reward"}
+# rewards[].name: a factory (class or function) returning a scorer, imported on first use; installed packages add
+# theirs under the entry-point group "flowrl_rewards"
+REWARDS = Registry("reward", {
+    "ocr": "flowrl.rewards.ocr:OCRReward",
+    "hpsv3": "flowrl.rewards.hpsv3:HPSv3",
+    "imagereward": "flowrl.rewards.imagereward:ImageReward",
+    "geneval": "flowrl.rewards.geneval:GenEvalReward",
+    "pickscore": "flowrl.rewards.pickscore:PickScore",
+    "hpsv2": "flowrl.rewards.hpsv2:HPSv2",
+    "remote": "flowrl.rewards.remote:RemoteReward",
+    "jpeg_compressibility": "flowrl.rewards.jpeg:JpegCompressibility",
+    "jpeg_incompressibility": "flowrl.rewards.jpeg:JpegIncompressibility",
+    "aesthetic": "flowrl.rewards.aesthetic:AestheticReward",
+    "video_frames": "flowrl.rewards.video:VideoFrames",
+    "temporal_consistency": "flowrl.rewards.video:TemporalConsistency",
+    "videoalign": "flowrl.rewards.videoalign:VideoAlign",
+    "clip": "flowrl.rewards.clip:ClipScore",
+    "vlm_judge": "flowrl.rewards.vlm_judge:VLMJudge",
+    # the shapes demo's, outside this package
+    "shapes": "flowrl.shapes.reward:ShapesReward", "shapes_accuracy": "flowrl.shapes.reward:ShapesAccuracy",
+    "moving_shapes": "flowrl.shapes.video_reward:MovingShapesReward",
+    "moving_shapes_accuracy": "flowrl.shapes.video_reward:MovingShapesAccuracy",
+}, group="flowrl_rewards", error=RewardError)
 
 
 def register_reward(name: str):
     """Decorator: ``@register_reward("my_reward")`` on a factory (class or function returning a scorer)."""
-
-    def wrap(factory):
-        REWARDS[name] = factory
-        return factory
-
-    return wrap
-
-
-def _load_user_function(spec: str) -> Callable:
-    from flowrl.registry import import_plugin
-
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = import_plugin(module_name)
-    except ImportError as exc:
-        raise RewardError(f"reward {spec!r}: cannot import module {module_name!r} ({exc})") from exc
-    if not hasattr(module, attr):
-        raise RewardError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
-    return getattr(module, attr)
+    return REWARDS.register(name)
 
 
 def build_reward(name: str, **args) -> Callable:
@@ -54,20 +55,11 @@ def build_reward(name: str, **args) -> Callable:
     Returns:
         The scorer.
     """
-    if ":" in name:
-        obj = _load_user_function(name)
+    obj = REWARDS.resolve(name)
+    if ":" in name:  # a user's scorer is called as it is; a class is built with the arguments
         return obj(**args) if inspect.isclass(obj) else obj
-    if name not in REWARDS and name in LAZY_REWARDS:
-        importlib.import_module(LAZY_REWARDS[name])
-    if name not in REWARDS:
-        import difflib
-
-        close = difflib.get_close_matches(name, list(REWARDS) + list(LAZY_REWARDS), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise RewardError(f"unknown reward {name!r}{hint} (registered: {', '.join(sorted(set(REWARDS) | set(LAZY_REWARDS)))}; "
-                          "or give module:function)")
     try:
-        return REWARDS[name](**args)
+        return obj(**args)
     except TypeError as exc:
         raise RewardError(f"reward {name!r}: bad arguments {args} ({exc})") from exc
 

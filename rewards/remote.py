@@ -24,7 +24,7 @@ import torch
 
 from flowrl.errors import RewardError, RewardServerError
 
-from .registry import build_reward, register_reward
+from .registry import build_reward
 
 
 def encode_request(images: torch.Tensor, prompts: list[str], metadata: list[dict] | None) -> bytes:
@@ -167,7 +167,6 @@ def serve(name: str, args: dict | None = None, host: str = "127.0.0.1", port: in
         server.server_close()
 
 
-@register_reward("remote")
 class RemoteReward:
     def __init__(self, url: str = "http://127.0.0.1:8765", timeout: float = 60.0, retries: int = 3,
                  backoff: float = 0.5):

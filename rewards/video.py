@@ -16,7 +16,7 @@ import torch
 
 from flowrl.errors import RewardError
 
-from .registry import build_reward, register_reward
+from .registry import build_reward
 
 FRAME_MODES = ("all", "first", "stride")
 
@@ -35,7 +35,6 @@ def frame_indices(num_frames: int, frames: str, stride: int) -> list[int]:
     return list(range(num_frames))
 
 
-@register_reward("video_frames")
 class VideoFrames:
     accepts_video = True  # scores (N, F, 3, H, W) videos
 
@@ -84,7 +83,6 @@ class VideoFrames:
         return scores.float().view(n, len(idx)).mean(1)
 
 
-@register_reward("temporal_consistency")
 class TemporalConsistency:
     accepts_video = True
 

@@ -19,7 +19,6 @@ import torch
 from flowrl.errors import RewardError
 
 from .qwen_vl import PIXELS, load_qwen_vl_reward, resized_side
-from .registry import register_reward
 
 TOKENS = ("<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>")
 NORM = {"VQ": (3.6757, 2.2476), "MQ": (1.1646, 1.3811), "TA": (2.8105, 2.5121)}  # the release's (mean, std)
@@ -72,7 +71,6 @@ def sample_frames(num_frames: int, video_fps: float, fps: float = 2.0, min_frame
     return torch.linspace(0, num_frames - 1, n).round().long().tolist()
 
 
-@register_reward("videoalign")
 class VideoAlign:
     """Args:
         checkpoint: the release's weights (a file, or a folder holding ``model.safetensors``); None: the hub

@@ -34,7 +34,6 @@ import torch
 
 from flowrl.errors import RewardError
 
-from .registry import register_reward
 
 TEMPLATES = {
     "quality": ("You are judging a generated image. The prompt was: \"{prompt}\". Rate how well the image matches "
@@ -76,7 +75,6 @@ def png_base64(image: torch.Tensor) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-@register_reward("vlm_judge")
 class VLMJudge:
     """Args:
         url: the server's OpenAI-compatible base, e.g. ``http://127.0.0.1:8000/v1``.

@@ -174,10 +174,10 @@ class PipelineAdapter:
         """An embedded model by registered name (or, with ``loader``, an exported folder read by it): it must be
         this family's pipeline, and it draws one geometry (``pipe.embedded_geometry``: config field -> value);
         otherwise one line says which field to change."""
-        from ..registry import MODEL_NAMES, resolve
+        from ..registry import MODEL_NAMES
 
         name = model_cfg.pretrained
-        pipe = loader(name) if loader is not None else resolve(MODEL_NAMES, name, "model.pretrained")(None)
+        pipe = loader(name) if loader is not None else MODEL_NAMES.resolve(name)(None)
         if type(pipe).__name__ != cls.pipeline_class_name:
             raise ConfigError(f"model.pretrained: {name} is a {type(pipe).__name__}, not a {cls.family} model; set "
                               "model.family to its family")

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from ..errors import RewardError
-from ..rewards.registry import register_reward
 from .domain import COLORS, SHAPES, ShapeSpec, parse_prompt, shape_mask
 
 PALETTE = np.array(list(COLORS.values()), dtype=np.float32)  # (8, 3)
@@ -125,7 +124,6 @@ def attribute_scores(images: torch.Tensor, prompts: list[str]) -> dict[str, np.n
     return out
 
 
-@register_reward("shapes")
 class ShapesReward:
     """Partial credit: mean of background, colour and shape scores (each in [0, 1]).
 
@@ -149,7 +147,6 @@ class ShapesReward:
         return (s["bg_score"] + s["color_score"] + shape) / 3 - self.noise_weight * s["bg_noise"] / 100
 
 
-@register_reward("shapes_accuracy")
 class ShapesAccuracy:
     """1 when background, colour and shape are all right, else 0 (GenEval-style strict check)."""
 

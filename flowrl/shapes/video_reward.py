@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from ..errors import RewardError
-from ..rewards.registry import register_reward
 from .domain import COLORS, SHAPES
 from .moving import DIRECTIONS, SPEED, MovingSpec, parse_prompt
 from .reward import _border, _nearest, _shape_ious, score_row
@@ -98,7 +97,6 @@ def attribute_scores(videos: torch.Tensor, prompts: list[str]) -> dict[str, np.n
     return out
 
 
-@register_reward("moving_shapes")
 class MovingShapesReward:
     """Partial credit for videos: mean of background, colour, shape-margin and motion scores (each in [0, 1])."""
 
@@ -107,7 +105,6 @@ class MovingShapesReward:
         return (s["bg_score"] + s["color_score"] + (1 + s["shape_margin"]) / 2 + s["motion_score"]) / 4
 
 
-@register_reward("moving_shapes_accuracy")
 class MovingShapesAccuracy:
     """1 when background, colour, shape and motion direction are all right, else 0."""
 
