@@ -106,20 +106,9 @@ def _split_name(split: str, cfg) -> str:
     return getattr(_evaluator(cfg), "splits", {}).get(split, split) if cfg.log.eval != "none" else split
 
 
-def _load_checkpoint_into(adapter, cfg, ckpt: Path) -> None:
-    """A run's LoRA or full fine-tuning weights into the base model's adapter."""
-    from .checkpoint import checkpoint_is_lora, load_full_into, load_lora_into
-    from .policy import add_lora
-
-    if checkpoint_is_lora(ckpt):
-        add_lora(adapter.transformer, cfg.train.lora, adapter.lora_targets)
-        load_lora_into(adapter.transformer, ckpt, cfg)
-    else:
-        load_full_into(adapter.transformer, ckpt, cfg)
-
-
 def cmd_sample(args) -> int:
     from .models import load_adapter
+    from .policy import load_trained_weights
     from .rundir import check_writable
     from .report import save_grid, side_by_side
     from .sampling import Sampler, resolve_device
@@ -143,7 +132,7 @@ def cmd_sample(args) -> int:
     base = Sampler(cfg, adapter, num_steps=args.steps)(prompts, seeds)
     images, title = base, "base model"
     if ckpt is not None:
-        _load_checkpoint_into(adapter, cfg, ckpt)
+        load_trained_weights(adapter, cfg, ckpt)
         tuned = Sampler(cfg, adapter, num_steps=args.steps)(prompts, seeds)
         images = side_by_side(base, tuned, len(seeds))  # each row: base seeds | fine-tuned seeds
         title = f"left {len(seeds)}: base | right {len(seeds)}: {ckpt.parent.parent.name}/{ckpt.name}"
@@ -161,6 +150,7 @@ def cmd_export(args) -> int:
 
     from .checkpoint import checkpoint_is_lora, lora_metadata, lora_state_dict
     from .models import load_adapter
+    from .policy import load_trained_weights
     from .rundir import check_writable
 
     args.config, args.overrides = None, []
@@ -170,7 +160,7 @@ def cmd_export(args) -> int:
         raise FlowRLError(f"--out {out} exists; choose a new folder (an export never replaces files)")
     check_writable(out, "--out")
     adapter = load_adapter(cfg.model, "cpu")
-    _load_checkpoint_into(adapter, cfg, ckpt)
+    load_trained_weights(adapter, cfg, ckpt)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -323,6 +313,7 @@ def cmd_eval(args) -> int:
     --prompts / --reward, the papers' reward table (mean and std per metric) on a prompt file, also as CSV."""
     from .evaluate import format_table, group_means, per_prompt_means, reward_table
     from .models import load_adapter
+    from .policy import load_trained_weights
     from .report import atomic_write_bytes, save_grid, write_csv
     from .sampling import Sampler, resolve_device
 
@@ -336,7 +327,7 @@ def cmd_eval(args) -> int:
     evaluator = None if table_mode else _evaluator(cfg)
     adapter = load_adapter(cfg.model, resolve_device(cfg.device))
     if ckpt is not None:
-        _load_checkpoint_into(adapter, cfg, ckpt)
+        load_trained_weights(adapter, cfg, ckpt)
     sampler = Sampler(cfg, adapter, num_steps=args.steps, guidance_scale=args.cfg)
     info = {"model": cfg.model.pretrained, "checkpoint": str(ckpt) if ckpt else None, "steps": len(sampler.sigmas) - 1,
             "guidance_scale": sampler.guidance_scale}
@@ -451,6 +442,7 @@ def _eval_compare(args) -> int:
     from .config import load_config
     from .evaluate import format_table, reward_table
     from .models import load_adapter
+    from .policy import load_trained_weights
     from .report import atomic_write_bytes, save_grid, write_csv
     from .sampling import Sampler, resolve_device
 
@@ -481,7 +473,7 @@ def _eval_compare(args) -> int:
     for label, ckpt, cfg in entries:
         adapter = load_adapter(cfg.model, resolve_device(cfg.device))
         if ckpt is not None:
-            _load_checkpoint_into(adapter, cfg, ckpt)
+            load_trained_weights(adapter, cfg, ckpt)
         sampler = Sampler(cfg, adapter, num_steps=args.steps, guidance_scale=args.cfg)
         summary, samples, images = reward_table(sampler, prompts, metadata, seeds, reward_set,
                                                 cfg.sampler.max_batch, progress=cfg.log.progress,

@@ -21,6 +21,23 @@ def add_lora(transformer, lora_cfg, default_targets: list[str]) -> None:
                                        target_modules=targets, lora_dropout=0.0))
 
 
+
+def load_trained_weights(adapter, cfg, ckpt) -> None:
+    """A run's checkpoint (LoRA or full fine-tuning, as it was trained) into the base model's ``adapter``.
+
+    Args:
+        adapter: the adapter :func:`flowrl.models.load_adapter` built for the run's ``model`` section.
+        cfg: the run's config (its ``train.lora`` says the LoRA layout).
+        ckpt: a checkpoint folder (:func:`flowrl.checkpoint.find_checkpoint` finds a run's).
+    """
+    from .checkpoint import checkpoint_is_lora, load_full_into, load_lora_into
+
+    if checkpoint_is_lora(ckpt):
+        add_lora(adapter.transformer, cfg.train.lora, adapter.lora_targets)
+        load_lora_into(adapter.transformer, ckpt, cfg)
+    else:
+        load_full_into(adapter.transformer, ckpt, cfg)
+
 def make_optimizer(params, t, device: torch.device):
     """AdamW: PyTorch's fused kernel on CUDA, or bitsandbytes' 8-bit AdamW (``train.optimizer=adamw_8bit``)."""
     kwargs = dict(lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, eps=t.adam_eps)

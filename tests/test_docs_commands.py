@@ -112,3 +112,19 @@ def test_the_pages_commands_run_as_printed(tmp_path):
     print(f"{len(ran)} commands run as printed:", *ran, sep="\n  ")
     assert len(ran) >= 14
     assert (tmp_path / "my-lora").is_dir() and (tmp_path / "flowrl.schema.json").stat().st_size > 1000
+
+
+@pytest.mark.heavy
+def test_the_python_quickstart_runs_as_printed(tmp_path):
+    """docs/python.md's code, as a script in an empty folder: it trains, prints one reward per iteration and writes
+    the grid of the trained weights' samples."""
+    code = re.search(r"<!-- example: quickstart -->\s*```python\n(.*?)```", (ROOT / "docs/python.md").read_text(),
+                     re.S).group(1)
+    (tmp_path / "quickstart.py").write_text(code)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "quickstart.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rewards = re.search(r"reward per iteration: \[(.*)\]", done.stdout).group(1).split(",")
+    assert len(rewards) == 3 and all(float(r) < 0 for r in rewards)  # JPEG size in kB, negated
+    assert (tmp_path / "runs/quickstart/my_grid.png").stat().st_size > 100
