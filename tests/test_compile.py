@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from flowrl.config import load_config
 
 
+@pytest.mark.heavy
 def test_compiled_blocks_equal_eager_and_compile_once_for_two_batch_sizes():
     from torch._dynamo.utils import counters
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.heavy  # processes launched in subprocesses: `make test-heavy`
+
 ROOT = Path(__file__).resolve().parent.parent
 EXACT = ("reward_mean/total", "reward_std/total", "leaves", "nfe_rollout", "trained_edges", "work_items",
          "nfe_train", "optimizer_steps", "zero_std_groups")

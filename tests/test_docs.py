@@ -246,6 +246,7 @@ def test_the_model_family_example_samples_on_its_own_grid(examples_path):
     assert row["trained_edges"] > 0 and row["ratio_max_abs_dev_first_update"] < 1e-5
 
 
+@pytest.mark.heavy
 def test_the_plug_in_commands_run_as_printed_from_the_module_s_folder(tmp_path):
     """extending.md's `flowrl train ... my_module:attr` commands, run from the folder that holds the module (the
     page's code written there), with nothing on PYTHONPATH: the current folder is searched, as `python -m` does.

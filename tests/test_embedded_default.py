@@ -46,6 +46,7 @@ def test_one_grpo_iteration_on_shipped_model(tmp_path):
     assert row["ratio_max_abs_dev_first_update"] < 1e-5
 
 
+@pytest.mark.heavy
 def test_heldout_curve_counts_the_work_spent(tmp_path):
     """log.eval_every writes held-out points with the rollouts spent so far; AdaGRPO's candidate anchors count."""
     from flowrl.report import read_metrics
@@ -79,6 +80,7 @@ def test_heldout_curve_counts_the_work_spent(tmp_path):
     assert summary["rollouts_spent"] == curve[-1]["rollouts_cum"] == 14
 
 
+@pytest.mark.heavy
 def test_pretraining_continues_from_an_exported_model(tmp_path):
     """`flowrl pretrain-tiny --init-from`: zero further steps export the source's weights unchanged (fp16 both ways)
     with the lineage recorded; a few steps write held-out readouts; another architecture is refused in one line."""

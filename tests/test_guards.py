@@ -20,6 +20,7 @@ def run_dir(out: Path) -> Path:
     return d
 
 
+@pytest.mark.heavy
 def test_a_collapsing_run_stops_early_and_ends_with_its_best_weights(tmp_path, capsys):
     """The main job at 30x its learning rate: the held-out curve falls by more than the allowed drop at its
     second point, the run stops there, and the weights it ends with (evaluated as 'after', exported in

@@ -9,6 +9,10 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.heavy  # processes launched in subprocesses: `make test-heavy`
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -127,6 +127,7 @@ def test_low_noise_expert_training_draws_only_its_own_sigmas():
     assert float(free.median()) == pytest.approx(0.75, abs=0.02)
 
 
+@pytest.mark.heavy
 def test_a_low_noise_expert_is_trained_for_a_high_noise_model_and_exported_as_wan22(tmp_path):
     """`pretrain-tiny-video --high-noise-expert`: the (1, 4, 4) low-noise expert trains below the boundary on the
     given model's frozen text encoder; the export loads as a two-expert WanPipeline whose high-noise expert and

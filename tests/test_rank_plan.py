@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # processes launched in subprocesses: `make test-heavy`
+
 PLAN = """
 protocol: [train.iterations=1, train.prompts_per_iter=2, sampler.num_steps=4, "log.eval_seeds=[0]", log.eval_every=0,
            log.sample_every=0, log.save_every=0, log.eval=shapes, model.pretrained=tiny-shapes, model.resolution=32,

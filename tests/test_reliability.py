@@ -250,6 +250,7 @@ def test_user_reward_failures_are_named(tmp_path, capsys, reward, expected):
 
 
 # ------------------------------------------------------------------------------------------ signals
+@pytest.mark.heavy
 def test_sigterm_saves_a_checkpoint_and_the_resume_is_bit_identical(tmp_path):
     """SIGTERM mid-run: the iteration in progress finishes, a checkpoint is written, exit status 143; resuming
     from it gives the same metrics, row for row, as an uninterrupted run."""

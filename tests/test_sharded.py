@@ -12,6 +12,8 @@ from safetensors.torch import load_file
 
 from tests.test_distributed import CLOSE, EXACT, ROOT, _rows, _train
 
+pytestmark = pytest.mark.heavy  # processes launched in subprocesses: `make test-heavy`
+
 FSDP = "train.fsdp.enabled=true"
 
 

@@ -67,6 +67,7 @@ def test_bench_side_by_side_alternates_the_configs_and_reports_medians_spread_an
     assert all(r["ratio"] == 1.0 for r in alt["ratios_vs_first"][a].values())
 
 
+@pytest.mark.heavy
 def test_gpu_check_tiny_runs_every_stage_on_a_cpu(tmp_path):
     """`flowrl gpu-check --tiny`: every stage in its own process within its budget, one JSON and one Markdown
     table; a second check never writes over the first."""
@@ -106,6 +107,7 @@ def test_gpu_check_tiny_runs_every_stage_on_a_cpu(tmp_path):
     assert again.returncode != 0 and "already holds a gpu_check.json" in again.stderr
 
 
+@pytest.mark.heavy
 def test_auto_micro_batch_is_chosen_once_and_kept_on_resume(tmp_path):
     """train.micro_batch=auto: the largest micro-batch that flowrl memory's estimate fits, written to the run folder
     and logged; a resume takes the folder's value (even where the machine would now choose another)."""

@@ -98,6 +98,7 @@ def test_resume_is_exact(tmp_path):
         assert a[2][key] == b[2][key], key
 
 
+@pytest.mark.heavy
 def test_jpeg_reward_rises_on_tiny_model(tmp_path):
     """30 iterations of Flow-GRPO (full fine-tuning, fixed seed) on JPEG compressibility: the mean reward of
     the last 5 iterations beats the first 5 by more than 5x the within-batch reward std of iteration 0
