@@ -119,7 +119,7 @@ def test_sample_and_eval_load_a_full_fine_tuning_checkpoint(tmp_path, capsys):
     """`make demo` writes full fine-tuning checkpoints: sample and eval load them, the latest or a chosen one."""
     from safetensors.torch import load_file
 
-    from flowrl.cli import _load_checkpoint_into
+    from flowrl.policy import load_trained_weights
     from flowrl.config import load_config
     from flowrl.models import load_adapter
 
@@ -141,7 +141,7 @@ def test_sample_and_eval_load_a_full_fine_tuning_checkpoint(tmp_path, capsys):
     cfg = load_config(run / "config.yaml")
     adapter = load_adapter(cfg.model)
     before = {k: v.clone() for k, v in adapter.transformer.state_dict().items()}
-    _load_checkpoint_into(adapter, cfg, run / "checkpoints" / "iter_00001")
+    load_trained_weights(adapter, cfg, run / "checkpoints" / "iter_00001")
     saved = load_file(str(next((run / "checkpoints" / "iter_00001" / "transformer").glob("*.safetensors"))))
     loaded = adapter.transformer.state_dict()
     assert all(loaded[k].equal(saved[k].to(loaded[k].dtype)) for k in saved)
