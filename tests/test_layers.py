@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"flowrl": ROOT / "flowrl", "flowrl.rewards": ROOT / "rewards", "flowrl.samplers": ROOT / "samplers"}
 # top to bottom: a module may import its own layer and the layers below, never one above
 LAYERS = [
-    ("cli", ["flowrl.cli", "flowrl.__main__"]),
+    ("cli", ["flowrl.cli", "flowrl.cli.*", "flowrl.__main__"]),
     ("shapes demo (leaf)", ["flowrl.shapes", "flowrl.shapes.*"]),
     ("eval / bench", ["flowrl.evaluate", "flowrl.bench", "flowrl.gpu_bench", "flowrl.gpu_check"]),
     ("train", ["flowrl.trainer", "flowrl.callbacks", "flowrl.optimise", "flowrl.rollout_runner", "flowrl.policy",
