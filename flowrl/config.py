@@ -865,15 +865,11 @@ def reference_markdown(only_table: str | None = None) -> str:
     """
     from .registry import algorithm_class
 
-    out, current = [], None
+    tables: dict[str, list[str]] = {}  # a section's keys in one table, even where a sub-section comes between them
     for table, key in reference_fields():
         if only_table is not None and table != only_table:
             continue
-        if table != current:
-            current = table
-            if only_table is None:
-                out.append(f"\n### `{table}`\n" if table != "top level" else "\n### top level\n")
-            out += ["| key | type | default | range or choices | description |", "|---|---|---|---|---|"]
+        rows = tables.setdefault(table, [])
         owner = Config
         parts = key.replace("[]", "").split(".")  # rewards[].name -> rewards, name
         if table.startswith("algorithm ("):
@@ -891,6 +887,11 @@ def reference_markdown(only_table: str | None = None) -> str:
         bounds = [f"{sign} {getattr(m, attr)}" for m in field.metadata
                   for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<=")) if hasattr(m, attr)]
         limit = ", ".join(map(str, choices)) if choices is not None else " and ".join(bounds)
-        out.append(f"| `{key}` | {_cell(_type_name(field.annotation))} | `{_cell(default_text)}` | {_cell(limit)} | "
-                   f"{_cell(field.description or '')} |")
+        rows.append(f"| `{key}` | {_cell(_type_name(field.annotation))} | `{_cell(default_text)}` | {_cell(limit)} | "
+                    f"{_cell(field.description or '')} |")
+    out = []
+    for table, rows in tables.items():
+        if only_table is None:
+            out.append(f"\n### `{table}`\n" if table != "top level" else "\n### top level\n")
+        out += ["| key | type | default | range or choices | description |", "|---|---|---|---|---|", *rows]
     return "\n".join(out).lstrip("\n") + "\n"

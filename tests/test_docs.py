@@ -76,6 +76,8 @@ def test_the_configuration_reference_has_one_row_per_schema_key(site):
     assert len(rows) == len(reference_fields()) == _schema_leaves(json_schema())
     assert {"train.lr", "train.fsdp.shard_size", "rewards[].name", "algorithm.split_steps",
             "algorithm.window.size"} <= set(rows)
+    headings = re.findall(r"<h3 id=\"[^\"]*\">(.*?)<a", html)  # one table per section: no heading twice
+    assert len(headings) == len(set(headings)) > 30
 
 
 def test_the_cli_reference_has_one_section_per_subcommand(site):
