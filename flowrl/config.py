@@ -297,6 +297,9 @@ class TrainConfig(Section):
         "on the batch, as bf16 matmuls on a GPU do; every row of a touched call is recomputed)",
         choices=["micro_batch", "rollout"])
     cfg: bool = opt(True, "apply CFG in the training forward when guidance_scale > 1")
+    cfg_unconditional_grad: bool = opt(False, "with train.cfg: also back-propagate through the unconditional "
+                                       "(negative-prompt) half of CFG. false, as Flow-GRPO's published update: that "
+                                       "half is a constant, computed without autograd (less update work)")
     mixed_precision: str = opt("no", "autocast of the transformer's forward; latents, SDE maths and trainable weights "
                                "stay fp32", choices=["no", "fp16", "bf16"])
     optimizer: str = opt("adamw", "adamw (fused on CUDA) or adamw_8bit (bitsandbytes, CUDA)",

@@ -132,8 +132,10 @@ def velocities(parts: TrainingParts, x: torch.Tensor, sigma: torch.Tensor, cond,
     elif with_reference:
         with torch.no_grad(), policy.reference(), policy.accelerator.autocast():
             v_ref = parts.adapter.velocity(x, sigma, cond, g, parts.negative)
+    # the published update keeps CFG's unconditional half out of the graph (train.cfg_unconditional_grad)
+    detach = g > 1 and parts.negative is not None and not cfg.train.cfg_unconditional_grad
     with policy.accelerator.autocast():
-        v = parts.adapter.velocity(x, sigma, cond, g, parts.negative)
+        v = parts.adapter.velocity(x, sigma, cond, g, parts.negative, **({"unconditional_grad": False} if detach else {}))
     return v, v_ref
 
 

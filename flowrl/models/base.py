@@ -44,7 +44,7 @@ class ModelAdapter(Protocol):
         """
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: PromptBatch, guidance_scale: float = 1.0,
-                 negative: PromptBatch | None = None) -> torch.Tensor:
+                 negative: PromptBatch | None = None, unconditional_grad: bool = True) -> torch.Tensor:
         """The velocity v(x, sigma | prompt) for a batch of latents at per-sample sigmas.
 
         Args:
@@ -53,6 +53,8 @@ class ModelAdapter(Protocol):
             cond: B rows of encoded prompts.
             guidance_scale: true CFG scale (1 = the conditional velocity only).
             negative: the encoded negative prompt (one row, or B) when guidance_scale > 1.
+            unconditional_grad: False: under autograd, the negative prompt's half of CFG is computed without a
+                graph (a constant of the result); the same values either way.
         Returns:
             (B, *latent_shape) fp32 velocities.
         """

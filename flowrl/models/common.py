@@ -217,11 +217,12 @@ class PipelineAdapter:
         return v_neg + guidance_scale * (v_pos - v_neg)
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds, guidance_scale: float = 1.0,
-                 negative: PromptEmbeds | None = None) -> torch.Tensor:
+                 negative: PromptEmbeds | None = None, unconditional_grad: bool = True) -> torch.Tensor:
         """v(x, sigma | prompt) for a batch; x (B, *latent) fp32, sigma (B,), cond rows aligned with x.
 
         With ``guidance_scale > 1`` and a negative embedding the batch is doubled ``[neg; pos]`` (prompts of
-        different token counts padded to one length, with masks) and combined by :meth:`_guide`.
+        different token counts padded to one length, with masks) and combined by :meth:`_guide`; with
+        ``unconditional_grad=False`` under autograd, the negative half is its own forward without a graph.
         Returns fp32 (B, *latent).
         """
         b = x.shape[0]
@@ -233,6 +234,10 @@ class PipelineAdapter:
             if neg.mask is not None or cond.mask is not None or neg.embeds.shape[1] != cond.embeds.shape[1]:
                 width = max(neg.embeds.shape[1], cond.embeds.shape[1])
                 neg, cond = neg.padded(width), cond.padded(width)
+            if not unconditional_grad and torch.is_grad_enabled():  # the negative half is a constant
+                with torch.no_grad():
+                    v_neg = self._forward(x, sigma, neg)
+                return self._guide(v_neg, self._forward(x, sigma, cond), guidance_scale)
             x = torch.cat([x, x])
             sigma = torch.cat([sigma, sigma])
             cond = PromptEmbeds(torch.cat([neg.embeds, cond.embeds]), torch.cat([neg.pooled, cond.pooled]),

@@ -133,17 +133,18 @@ class WanAdapter(PipelineAdapter):
         return model(hidden_states=x.to(self.dtype), timestep=t, encoder_hidden_states=cond.embeds.to(self.dtype),
                      return_dict=False)[0].float()
 
-    def velocity(self, x, sigma, cond, guidance_scale=1.0, negative=None):
+    def velocity(self, x, sigma, cond, guidance_scale=1.0, negative=None, unconditional_grad=True):
         """As every family's, except that Wan 2.2's low-noise steps use their own CFG scale."""
         low_scale = self.low_noise_guidance_scale
         if self.boundary is None or low_scale is None or negative is None:
-            return super().velocity(x, sigma, cond, guidance_scale, negative)
+            return super().velocity(x, sigma, cond, guidance_scale, negative, unconditional_grad)
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])
 
         def run(rows, high_noise):
             scale = guidance_scale if high_noise else low_scale
             if rows is None:
-                return super(WanAdapter, self).velocity(x, sigma, cond, scale, negative)
-            return super(WanAdapter, self).velocity(x[rows], sigma[rows], cond.index(rows), scale, negative)
+                return super(WanAdapter, self).velocity(x, sigma, cond, scale, negative, unconditional_grad)
+            return super(WanAdapter, self).velocity(x[rows], sigma[rows], cond.index(rows), scale, negative,
+                                                    unconditional_grad)
 
         return self._rows_by_expert(sigma, run)
