@@ -70,8 +70,9 @@ class Objective(Protocol):
     processes and pack into micro-batches, each item's size and rows, and the summed loss of a micro-batch.
 
     The loop calls :meth:`work_items` once per update, then per minibatch :meth:`begin_minibatch`,
-    :meth:`micro_batch_loss` for each micro-batch (and backward), :meth:`end_minibatch`, the optimizer step,
-    and finally :meth:`statistics`.
+    :meth:`micro_batch_loss` for each micro-batch (and backward), :meth:`end_minibatch`, the optimizer step (then
+    ``after_optimizer_step()`` where the objective has one: a copy of the weights that follows every step), and
+    finally :meth:`statistics`.
     """
 
     def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
@@ -660,6 +661,10 @@ class GroupPreferenceObjective(ForwardProcessObjective):
         self.t = self.algorithm.training_timesteps(len(self.groups), self.parts.sigmas, gen)  # (P, k)
         self.losses, self.kls, self.ratios, self.clipped, self.first, self.first_dev, self.nfe = [], [], [], [], True, 0.0, 0
         return [(g, j) for g in range(len(self.groups)) for j in range(self.t.shape[1])]
+
+    def after_optimizer_step(self) -> None:
+        """The fast EMA follows the weights after every optimizer step (the algorithm's schedule)."""
+        self.algorithm.follow_fast_ema(self.parts.policy)
 
     def item_size(self, item) -> int:
         return len(self.groups[item[0]])

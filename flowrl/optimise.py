@@ -121,6 +121,8 @@ def optimise(objective: Objective, batch: UpdateBatch, policy, procs, train_cfg,
                 raise FlowRLError("non-finite gradient norm; lower train.lr or use fp32 (train.mixed_precision=no)")
             opt.step()
             steps += 1
+            if hasattr(objective, "after_optimizer_step"):
+                objective.after_optimizer_step()
             if policy.ema is not None and steps % train_cfg.ema.update_every == 0:
                 policy.ema.step(policy.params)
     stats = objective.statistics()

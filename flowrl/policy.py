@@ -207,9 +207,10 @@ class Policy:
         self.old = [p.detach().clone() for p in self.params]
 
     @contextmanager
-    def old_weights(self):
-        """The old weights in place of the trained ones for the duration; nothing when there is no old copy."""
-        if self.old is None:
+    def old_weights(self, enabled: bool = True):
+        """The old weights in place of the trained ones for the duration; nothing when there is no old copy (or
+        ``enabled`` is false)."""
+        if self.old is None or not enabled:
             yield
             return
         self._swap_old()  # exchanges the tensors behind the parameters: no copy of the weights (once per micro-batch)

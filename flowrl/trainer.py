@@ -207,7 +207,8 @@ class Trainer:
         prompts, metadata, roots = algo.choose_prompts(self.context, it, gen, row)
         algo.remember_prompts(prompts, metadata)
         cond = self.adapter.encode_prompts(prompts)
-        with self.policy.old_weights(), self.meter.phase("rollout"):  # the old policy samples, where one is kept
+        # the old policy samples, where one is kept and the algorithm samples with it at this iteration
+        with self.policy.old_weights(algo.samples_with_old_policy(it)), self.meter.phase("rollout"):
             tree, scores, timing = self.runner(cond, plan, gen, prompts, metadata, roots)
         row.update(timing)
         t2 = time.perf_counter()

@@ -79,3 +79,63 @@ def test_the_update_passes_the_option_only_under_cfg(tmp_path):
         cfg.train.cfg = True
         parts.negative = object()
         velocities(parts, torch.ones(2, 3), torch.tensor([0.5, 0.5]), None, with_reference=False)
+
+
+# ------------------------------------------------------------------------------------------------ DGPO
+def _dgpo(*overrides):
+    from flowrl.algorithms import make_algorithm
+    from flowrl.config import load_config
+
+    return make_algorithm(load_config("configs/tiny_shapes_dgpo.yaml", list(overrides)))
+
+
+def test_dgpo_draws_its_training_sigmas_from_0_to_trunc_steps_inclusive():
+    """The published rule: k indices without replacement from range(trunc_steps + 1), one draw per iteration."""
+    algo = _dgpo("algorithm.trunc_steps=6", "algorithm.timesteps_per_sample=4")
+    sigmas = torch.linspace(1, 0, 11)  # a 10-step grid
+    seen = set()
+    for seed in range(40):
+        ours = algo.training_timesteps(3, sigmas, torch.Generator().manual_seed(seed))
+        published = torch.randperm(6 + 1, generator=torch.Generator().manual_seed(seed))[:4]
+        assert torch.equal(ours, sigmas[published].unsqueeze(0).expand(3, -1))
+        seen |= set(published.tolist())
+    assert seen == set(range(7))  # index 6 is drawn (the pool was one short before)
+
+
+def test_dgpo_s_fast_ema_follows_every_optimizer_step_and_draws_rollouts_after_the_switch():
+    """ema <- d ema + (1 - d) theta after every optimizer step s = 0, 1, ... with d = min(0.3, 0.001 s), from the
+    first step; the rollouts use it once switch_ema_ref steps are done; the count survives a resume."""
+    algo = _dgpo("algorithm.switch_ema_ref=3")
+    decays = []
+
+    class Policy:
+        def follow_old(self, decay):
+            decays.append(decay)
+
+    sampled = []
+    for _ in range(5):
+        sampled.append(algo.samples_with_old_policy(0))
+        algo.follow_fast_ema(Policy())
+    assert decays == [min(0.3, 0.001 * s) for s in range(5)] and sampled == [False, False, False, True, True]
+    assert algo.old_decay(7) == 1.0  # nothing more at the iteration's end
+    resumed = _dgpo("algorithm.switch_ema_ref=3")
+    resumed.load_state_dict(algo.state_dict())
+    assert resumed.optimizer_steps == 5 and resumed.samples_with_old_policy(0)
+    for s in (299, 300, 301, 5000):
+        resumed.optimizer_steps = s
+        resumed.follow_fast_ema(Policy())
+        assert decays[-1] == min(0.3, 0.001 * s)
+
+
+def test_dgpo_s_pickscore_preset_is_the_published_pickscore_config():
+    """The published PickScore config keeps the base clip 0.05 and groups of 24 (0.01 is its GenEval / OCR clip)."""
+    from flowrl.config import load_config
+
+    cfg = load_config("configs/sd35m_dgpo.yaml", [])
+    a = cfg.algorithm
+    assert (a.group_size, a.clip_range, a.dpo_beta, a.trunc_steps, a.timesteps_per_sample, a.switch_ema_ref) == \
+        (24, 0.05, 10.0, 6, 4, 200)
+    assert (cfg.train.kl_beta, cfg.train.lr, cfg.train.cfg, cfg.sampler.num_steps) == (0.001, 3e-4, False, 10)
+    from flowrl.algorithms.dgpo import DGPOOptions
+
+    assert DGPOOptions.model_fields["clip_range"].default == 0.05  # the code's base value

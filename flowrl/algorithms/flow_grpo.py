@@ -334,6 +334,10 @@ class FlowGRPO:
         (old <- d old + (1 - d) trained)."""
         return 0.0
 
+    def samples_with_old_policy(self, it: int) -> bool:
+        """With ``keeps_old_policy``: whether iteration ``it``'s rollout is drawn with the old weights."""
+        return True
+
     def observe_update(self, stats: dict) -> None:
         self.last_divergence = stats.get("mean_abs_log_ratio")
 
