@@ -139,3 +139,18 @@ def test_dgpo_s_pickscore_preset_is_the_published_pickscore_config():
     from flowrl.algorithms.dgpo import DGPOOptions
 
     assert DGPOOptions.model_fields["clip_range"].default == 0.05  # the code's base value
+
+
+def test_sft_keeps_every_sample_tied_at_its_group_s_best():
+    """The published rule: within a prompt's group, every sample whose reward equals the maximum is kept."""
+    from flowrl.algorithms.sft import keep_indicator
+
+    rewards = torch.tensor([1.0, 3.0, 3.0, 2.0, 0.5, float("nan"), 0.5, 0.25])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    published = torch.zeros(8)
+    for g in (0, 1):
+        members = [i for i in range(8) if groups[i] == g and rewards[i] == rewards[i]]
+        best = max(rewards[i].item() for i in members)
+        for i in members:
+            published[i] = float(rewards[i].item() == best)
+    assert keep_indicator(rewards, groups, "best").tolist() == published.tolist() == [0, 1, 1, 0, 1, 0, 1, 0]

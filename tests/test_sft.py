@@ -13,7 +13,7 @@ def test_which_samples_are_kept():
 
     rewards = torch.tensor([0.1, 0.9, 0.5, 0.3, float("nan"), 0.3])
     groups = torch.tensor([0, 0, 0, 1, 1, 1])
-    assert keep_indicator(rewards, groups, "best").tolist() == [0, 1, 0, 1, 0, 0]  # a tie: the first
+    assert keep_indicator(rewards, groups, "best").tolist() == [0, 1, 0, 1, 0, 1]  # a tie at the best: both
     assert keep_indicator(rewards, groups, "above_mean").tolist() == [0, 1, 0, 0, 0, 0]  # 0.5 = the mean: not above
 
 
@@ -34,4 +34,5 @@ def test_one_iteration(tmp_path):
     cfg = make_cfg(tmp_path, "algorithm.name=sft", "algorithm.group_size=4", "sampler.num_steps=4",
                    "train.prompts_per_iter=2")
     row = Trainer(cfg).iteration(0)
-    assert row["optimizer_steps"] >= 1 and row["sft_kept"] == 2.0  # one best sample per prompt
+    # at least one best sample per prompt, and fewer than all 8 (JPEG sizes can tie at a group's best: all kept)
+    assert row["optimizer_steps"] >= 1 and 2.0 <= row["sft_kept"] < 8.0

@@ -1,6 +1,6 @@
-"""Reward-filtered online SFT (the peers' "OnlineSFT"): the best sample of each prompt's group is trained on with
-the plain flow-matching loss ``mean((v_theta - (eps - x0))^2)`` at the re-noising sigmas, the others not at all
-(``keep: best``); ``keep: above_mean`` trains every sample that beats its group's mean. It is AWM with the advantage
+"""Reward-filtered online SFT (the peers' "OnlineSFT"): the best samples of each prompt's group (every one tied at the
+group's highest reward, as the published rule keeps them) are trained on with the plain flow-matching loss
+``mean((v_theta - (eps - x0))^2)`` at the re-noising sigmas, the others not at all (``keep: best``); ``keep: above_mean`` trains every sample that beats its group's mean. It is AWM with the advantage
 replaced by a 0 / 1 indicator and the uniform weighting, and serves as a warm start or an anchor."""
 
 from __future__ import annotations
@@ -12,15 +12,16 @@ from .awm import AWM, AWMOptions
 
 
 class SFTOptions(AWMOptions):
-    keep: str = opt("best", "best: each group's best sample; above_mean: every sample above its group's mean",
+    keep: str = opt("best", "best: each group's best samples (all tied at its highest reward); above_mean: every "
+                    "sample above its group's mean",
                     choices=["best", "above_mean"])
     weighting: str = opt("uniform", "w(l, sigma); SFT's is the plain error (uniform)",
                          choices=["uniform", "sigma", "sigma2", "huber", "ghuber"])
 
 
 def keep_indicator(rewards: torch.Tensor, groups: torch.Tensor, keep: str) -> torch.Tensor:
-    """(L,) 1.0 for the samples trained on, 0.0 for the rest; NaN rewards are never kept. ``best``: the first of
-    the highest rewards in each group; ``above_mean``: rewards strictly above their group's mean."""
+    """(L,) 1.0 for the samples trained on, 0.0 for the rest; NaN rewards are never kept. ``best``: every sample
+    at its group's highest reward (ties all kept); ``above_mean``: rewards strictly above their group's mean."""
     out = torch.zeros(rewards.shape[0])
     for g in groups.unique().tolist():
         idx = ((groups == g) & torch.isfinite(rewards)).nonzero().flatten()
@@ -28,7 +29,7 @@ def keep_indicator(rewards: torch.Tensor, groups: torch.Tensor, keep: str) -> to
             continue
         r = rewards[idx]
         if keep == "best":
-            out[idx[int(torch.argmax(r))]] = 1.0
+            out[idx[r == r.max()]] = 1.0
         else:
             out[idx[r > r.mean()]] = 1.0
     return out
