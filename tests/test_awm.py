@@ -40,14 +40,22 @@ def test_the_loss_is_the_advantage_weighted_matching_error():
     assert v.grad[1].flatten().tolist() == pytest.approx([-0.5 * 2 * -0.4 / 4] * 4)
 
 
-def test_stratified_training_sigmas():
+def test_stratified_training_sigmas_follow_the_published_draw():
+    """The published rule written out (T = 14, K = 6): boundaries linspace(1, 12, 7) -> [1, 2, 4, 6, 8, 10, 12] as
+    integers, index = lower + floor(u (upper - lower)); index 1 always, 12 never; ``discrete`` starts at 0."""
     from flowrl.algorithms.awm import stratified_indices
 
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(20):
-        idx = stratified_indices(14, 6, gen)  # indices 1..12 in 6 strata of 2
-        assert len(idx) == 6 and all(2 * i + 1 <= v <= 2 * i + 2 for i, v in enumerate(idx.tolist()))
-    assert stratified_indices(4, 6, gen).tolist() == [1, 2, 3]  # fewer indices than strata: each once
+    gen, ref = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(200):
+        idx = stratified_indices(14, 6, gen)
+        u = torch.rand(6, generator=ref)
+        lower, upper = torch.tensor([1, 2, 4, 6, 8, 10]), torch.tensor([2, 4, 6, 8, 10, 12])
+        assert idx.tolist() == (lower + (u * (upper - lower)).long()).tolist()
+        seen |= set(idx.tolist())
+    assert seen == set(range(1, 12))  # 1..11: index 1 in every draw, 12 in none
+    assert stratified_indices(14, 6, torch.Generator().manual_seed(0), start=0)[0] in (0, 1)
+    assert stratified_indices(4, 6, gen).tolist()[:1] == [1]  # strata of width 0 give their lower bound
 
 
 def test_one_iteration_trains_and_uses_no_old_policy(tmp_path):
@@ -58,5 +66,5 @@ def test_one_iteration_trains_and_uses_no_old_policy(tmp_path):
     trainer = Trainer(cfg)
     assert trainer.policy.old is None
     row = trainer.iteration(0)
-    assert row["optimizer_steps"] >= 1 and row["nfe_train"] == 8 * 5  # 8 samples x indices 1..5 (fewer than 6)
+    assert row["optimizer_steps"] >= 1 and row["nfe_train"] == 8 * 6  # 8 samples x K = 6 draws (repeats on a short grid)
     assert row["policy_loss"] == row["policy_loss"] and row["kl_loss"] == 0.0  # first step: v = v_ref

@@ -1,8 +1,10 @@
 """AWM, Advantage Weighted Matching (arXiv 2509.25050): the pretraining flow-matching loss, weighted per sample by
 its advantage. Rollouts keep only the clean samples x0 (any solver; here ODE, as DiffusionNFT's); each is re-noised
-at ``timesteps_per_sample`` grid sigmas, one drawn from each of as many strata of the rollout grid's indices
-(indices 1 to floor(0.9 T): the first step and the last tenth are left out), the same sigmas for the
-whole iteration and fresh noise per (sample, sigma). With ``l = mean((v_theta - (eps - x0))^2)`` the loss is
+at ``timesteps_per_sample`` grid sigmas, one from each stratum of the rollout grid's indices as the published code
+draws them (``time_type: discrete_wo_init``: boundaries ``linspace(1, int(0.9 T), K + 1)`` truncated to whole
+indices, each stratum's upper bound excluded, so for T = 14, K = 6 index 1 is always trained and 12 never;
+``discrete``: the strata start at index 0, the published PickScore setting), with fresh noise per (sample, sigma).
+The published code draws one set of indices per micro-batch of samples; ours draws one per sample. With ``l = mean((v_theta - (eps - x0))^2)`` the loss is
 
     A_hat w(l, sigma),   A_hat = clip(A, +-A_max) / A_max,
 
@@ -22,6 +24,9 @@ from .diffusion_nft import DiffusionNFT
 
 class AWMOptions(GroupOptions):
     timesteps_per_sample: int = opt(6, "training sigmas per sample (one per stratum of the rollout grid)", lo=1)
+    time_type: str = opt("discrete_wo_init", "the strata of grid indices: discrete_wo_init from index 1 (the code's "
+                         "GenEval and OCR setting), discrete from index 0 (its PickScore setting); both end before "
+                         "int(0.9 T)", choices=["discrete_wo_init", "discrete"])
     weighting: str = opt("ghuber", "w(l, sigma): uniform, sigma, sigma2, huber or ghuber (the official default)",
                          choices=["uniform", "sigma", "sigma2", "huber", "ghuber"])
     ghuber_power: float = opt(0.25, "ghuber's power p", lo=0.0, lo_open=True, hi=1.0)
@@ -41,12 +46,13 @@ def matching_weight(l: torch.Tensor, sigma: torch.Tensor, weighting: str, p: flo
     return (sigma / p) * ((l + 1e-10) ** p - 1e-10 ** p)
 
 
-def stratified_indices(num_steps: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """k grid indices, one drawn uniformly from each of k contiguous, nearly equal strata of 1..floor(0.9 T) (the
-    first step and the last tenth left out); with fewer indices than strata, every index once."""
-    candidates = torch.arange(1, max(1, int(0.9 * num_steps)) + 1)
-    picks = [c[int(torch.randint(len(c), (1,), generator=gen))] for c in torch.tensor_split(candidates, k) if len(c)]
-    return torch.stack(picks)
+def stratified_indices(num_steps: int, k: int, gen: torch.Generator, start: int = 1) -> torch.Tensor:
+    """(k,) grid indices as the published code draws them: boundaries ``linspace(start, int(0.9 T), k + 1)``
+    truncated to integers, then ``lower + floor(u (upper - lower))`` with u uniform in [0, 1) per stratum (the upper
+    bound excluded; a stratum of width 0 gives its lower bound)."""
+    bounds = torch.linspace(start, int(num_steps * 0.9), k + 1)  # float32, as the code computes them
+    lower, upper = bounds[:-1].long(), bounds[1:].long()
+    return lower + (torch.rand(k, generator=gen) * (upper - lower)).long()
 
 
 class AWM(DiffusionNFT):
@@ -54,9 +60,11 @@ class AWM(DiffusionNFT):
     keeps_old_policy = False
 
     def training_timesteps(self, n: int, sigmas: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        """(n, k) sigmas: the same stratified grid sigmas for every sample of the iteration."""
-        idx = stratified_indices(len(sigmas) - 1, self.opts.timesteps_per_sample, gen)
-        return sigmas[idx].unsqueeze(0).expand(n, -1)
+        """(n, k) sigmas: each sample's own stratified grid sigmas."""
+        start = 1 if self.opts.time_type == "discrete_wo_init" else 0
+        idx = torch.stack([stratified_indices(len(sigmas) - 1, self.opts.timesteps_per_sample, gen, start)
+                           for _ in range(n)])
+        return sigmas[idx]
 
     def forward_process_loss(self, x0, x_t, t, v_theta, v_old, adv) -> torch.Tensor:
         """Per-sample (B,) ``A_hat w(l, sigma)``: x0, x_t, v: (B, *latent); t, adv: (B,)."""
