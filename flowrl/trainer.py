@@ -166,7 +166,8 @@ class Trainer:
                 callback.on_train_begin(self)
             for it in bar:
                 row = self.iteration(it)
-                bar.set_postfix(reward=f"{row['reward_mean/total']:.4f}", kl=f"{row['approx_kl']:.1e}")
+                bar.set_postfix({"reward": f"{row['reward_mean/total']:.4f}",  # the KL where the objective measures one
+                                 **({"kl": f"{row['approx_kl']:.1e}"} if "approx_kl" in row else {})})
                 stops = [s for s in (c.on_iteration_end(self, it, row) for c in self.callbacks) if s]
                 for reason in stops:
                     bar.write(reason)

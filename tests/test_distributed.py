@@ -64,7 +64,8 @@ def test_two_processes_equal_one(tmp_path, config, extra):
         for k in EXACT:
             if k in a:
                 assert a[k] == b[k], k
-        for k in CLOSE:
+        for k in (k for k in CLOSE if k in a or k in b):  # the statistics this objective measures
+            assert k in a and k in b, k
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-9), k
     assert one[0]["trained_edges"] > 0 and one[0]["ratio_max_abs_dev_first_update"] < 1e-5
     wa = load_file(tmp_path / "one/checkpoints/iter_00001/pytorch_lora_weights.safetensors")

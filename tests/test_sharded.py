@@ -69,7 +69,8 @@ def test_fsdp_two_processes_equal_one_unsharded_process(tmp_path, case):
         for k in EXACT:
             if k in a:
                 assert a[k] == b[k], k
-        for k in CLOSE:
+        for k in (k for k in CLOSE if k in a or k in b):  # the statistics this objective measures
+            assert k in a and k in b, k
             # the mean |log ratio| (~5e-5 after a full fine-tuning step) is a mean of differences of fp32 log-probs
             # of order 1: their rounding (~6e-8 each) bounds its agreement in absolute terms
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-8 if k == "mean_abs_log_ratio" else 1e-9), k
