@@ -154,3 +154,28 @@ def test_sft_keeps_every_sample_tied_at_its_group_s_best():
         for i in members:
             published[i] = float(rewards[i].item() == best)
     assert keep_indicator(rewards, groups, "best").tolist() == published.tolist() == [0, 1, 1, 0, 1, 0, 1, 0]
+
+
+def test_online_dpo_and_sft_draw_logit_normal_sigmas_on_the_training_scheduler():
+    """Flow-GRPO's DPO / SFT scripts: u = sigmoid(randn), index = int(u * 1000) into the training scheduler's
+    timesteps; compared with diffusers' FlowMatchEulerDiscreteScheduler(shift=3) itself."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from flowrl.algorithms.awm import logit_normal_sigmas
+
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    ours = logit_normal_sigmas(4, 3, 3.0, torch.Generator().manual_seed(5))
+    u = torch.sigmoid(torch.randn(4, 3, generator=torch.Generator().manual_seed(5), dtype=torch.float64))
+    published = scheduler.timesteps[(u * 1000).long().flatten()].view(4, 3) / 1000
+    assert torch.allclose(ours, published.float(), atol=1e-6)
+    for name in ("online_dpo", "sft"):
+        from flowrl.algorithms import make_algorithm
+        from flowrl.config import load_config
+
+        algo = make_algorithm(load_config(None, [f"algorithm.name={name}", "algorithm.group_size=2"]))
+        assert algo.opts.time_type == "logit_normal"
+        algo.training_shift = 3.0
+        drawn = algo.training_timesteps(4, torch.linspace(1, 0, 11), torch.Generator().manual_seed(5))
+        k = algo.opts.timesteps_per_sample
+        assert torch.equal(drawn, logit_normal_sigmas(4, k, 3.0, torch.Generator().manual_seed(5)))
+        assert not torch.isin(drawn, torch.linspace(1, 0, 11)).all()  # continuous, not the rollout grid

@@ -55,12 +55,29 @@ def stratified_indices(num_steps: int, k: int, gen: torch.Generator, start: int 
     return lower + (torch.rand(k, generator=gen) * (upper - lower)).long()
 
 
+def logit_normal_sigmas(n: int, k: int, shift: float, gen: torch.Generator, train_timesteps: int = 1000):
+    """(n, k) sigmas as Flow-GRPO's DPO and SFT scripts draw them: u = sigmoid(N(0, 1)), the index floor(u N) into
+    the training scheduler's N timesteps (N - i at index i), and that timestep's sigma after the family's shift,
+    ``shift s / (1 + (shift - 1) s)`` with s = (N - i) / N."""
+    u = torch.sigmoid(torch.randn(n, k, generator=gen, dtype=torch.float64))
+    index = (u * train_timesteps).long().clamp(max=train_timesteps - 1)
+    s = (train_timesteps - index) / train_timesteps
+    return (shift * s / (1 + (shift - 1) * s)).float()
+
+
 class AWM(DiffusionNFT):
     Options = AWMOptions
     keeps_old_policy = False
+    training_shift = 1.0  # the training scheduler's shift (the logit-normal draw), set at attach
+
+    def attach(self, policy, ctx) -> None:
+        super().attach(policy, ctx)
+        self.training_shift = float(ctx.sample.adapter.scheduler_config.get("shift", 1.0))
 
     def training_timesteps(self, n: int, sigmas: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        """(n, k) sigmas: each sample's own stratified grid sigmas."""
+        """(n, k) sigmas: each sample's own stratified grid sigmas, or logit-normal ones (``time_type``)."""
+        if self.opts.time_type == "logit_normal":
+            return logit_normal_sigmas(n, self.opts.timesteps_per_sample, self.training_shift, gen)
         start = 1 if self.opts.time_type == "discrete_wo_init" else 0
         idx = torch.stack([stratified_indices(len(sigmas) - 1, self.opts.timesteps_per_sample, gen, start)
                            for _ in range(n)])

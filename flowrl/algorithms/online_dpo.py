@@ -21,7 +21,10 @@ from .awm import AWM, AWMOptions
 class OnlineDPOOptions(AWMOptions):
     dpo_beta: float = opt(100.0, "DPO's inverse temperature on per-element-mean errors (Flow-GRPO's script: 100)",
                       lo=0.0, lo_open=True)
-    timesteps_per_sample: int = opt(2, "(sigma, noise) draws per pair, one per stratum of the rollout grid", lo=1)
+    timesteps_per_sample: int = opt(2, "(sigma, noise) draws per pair", lo=1)
+    time_type: str = opt("logit_normal", "the training sigmas: logit_normal as Flow-GRPO's DPO script (continuous, on "
+                         "the training scheduler's timesteps), or AWM's grid strata (discrete_wo_init, discrete)",
+                         choices=["logit_normal", "discrete_wo_init", "discrete"])
 
 
 def preference_pairs(rewards: torch.Tensor, groups: torch.Tensor) -> list[tuple[int, int]]:

@@ -17,6 +17,9 @@ class SFTOptions(AWMOptions):
                     choices=["best", "above_mean"])
     weighting: str = opt("uniform", "w(l, sigma); SFT's is the plain error (uniform)",
                          choices=["uniform", "sigma", "sigma2", "huber", "ghuber"])
+    time_type: str = opt("logit_normal", "the training sigmas: logit_normal as Flow-GRPO's SFT script (continuous, on "
+                         "the training scheduler's timesteps), or AWM's grid strata (discrete_wo_init, discrete)",
+                         choices=["logit_normal", "discrete_wo_init", "discrete"])
 
 
 def keep_indicator(rewards: torch.Tensor, groups: torch.Tensor, keep: str) -> torch.Tensor:
