@@ -754,12 +754,13 @@ class DistillationObjective(TransitionObjective):
 
 
 class RewardBackpropObjective:
-    """Reward backpropagation (ReFL / DRaFT-K): each work item is one sample; its last ``algorithm.grad_steps``
-    ODE steps are re-run from the rollout's stored state with the policy's graph, the result is decoded with its
-    graph, and the loss row is minus the differentiable reward (plus ``train.kl_beta`` x the velocity MSE to the
-    reference over the re-run steps). Logs ``reward_grad_mean`` (the reward the update differentiated, equal to the
-    rollout's on the first update) and the re-run's gap to the rollout's final latents (``refl_rerun_gap``, 0 on
-    the first update)."""
+    """Reward backpropagation: each work item is one sample. DRaFT-K (``algorithm.mode=draft_k``): its last
+    ``algorithm.grad_steps`` ODE steps are re-run from the rollout's stored state with the policy's graph, the result
+    is decoded with its graph, and the loss row is minus the differentiable reward (plus ``train.kl_beta`` x the
+    velocity MSE to the reference over the re-run steps); it logs the re-run's gap to the rollout's final latents
+    (``refl_rerun_gap``, 0 on the first update). ReFL (``mode=refl``): from the stored state at the sample's drawn
+    stop step, one prediction ``x0 = x_t - sigma v`` is decoded and the row is ``refl_scale relu(refl_margin - r)``.
+    Both log ``reward_grad_mean``, the reward the update differentiated."""
 
     needs_sampling_mean = False
     trains_transitions = False
@@ -770,18 +771,26 @@ class RewardBackpropObjective:
     def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
         tree = self.tree = batch.tree
         self.cond = batch.cond
-        k = self.algorithm.opts.grad_steps
-        start_round = tree.num_rounds - k  # a chain: round r holds the state at grid index r
-        # each leaf's ancestor K rounds up (the state the re-run starts from), following the parents
+        opts, n_rounds = self.algorithm.opts, tree.num_rounds
         rounds, pos = tree.leaf_positions()
-        anc = pos.clone()
-        for r in range(tree.num_rounds, start_round, -1):
-            anc = tree.parent[r][anc]
-        self.start = tree.latents[start_round][anc]  # (L, *latent)
-        self.start_index = start_round
+        if opts.mode == "refl":  # each sample's stop step, uniform over the grid's last refl_window
+            first = min(n_rounds - 1, int(n_rounds * (1 - opts.refl_window)))
+            stops = torch.randint(first, n_rounds, (len(pos),), generator=gen)  # (L,) grid indices
+        else:  # a chain: round r holds the state at grid index r; the re-run starts K rounds up
+            stops = torch.full((len(pos),), n_rounds - opts.grad_steps)
+        # each leaf's ancestor at its stop round, following the parents up
+        anc, start = pos.clone(), torch.empty_like(tree.leaves)
+        for r in range(n_rounds, int(stops.min()) - 1, -1):
+            at = stops == r
+            start[at] = tree.latents[r][anc[at]]
+            if r > 0:
+                anc = tree.parent[r][anc]
+        self.start, self.stops = start, stops  # (L, *latent), (L,)
+        self.start_index = n_rounds - opts.grad_steps
         self.final = tree.leaves
         self.rows = tree.leaf_group
         self.rewards_seen, self.gaps, self.kls, self.nfe, self.first, self.first_gap = [], [], [], 0, True, 0.0
+        self.losses = []
         return list(range(len(anc)))
 
     def item_size(self, item) -> int:
@@ -802,6 +811,8 @@ class RewardBackpropObjective:
         rows = self.rows[leaves]
         cond = self.cond.index(rows.to(self.cond.embeds.device))
         sig = self.tree.sigmas.to(dev)
+        if self.algorithm.opts.mode == "refl":
+            return self._refl_loss(x, sig[self.stops[leaves].to(dev)], cond, rows, record)
         kl = torch.zeros(len(leaves), device=dev)
         for i in range(self.start_index, len(sig) - 1):
             s = sig[i].expand(len(leaves))
@@ -825,6 +836,27 @@ class RewardBackpropObjective:
                 self.first_gap = max(self.first_gap, float(gap.max()))
         return loss.sum()
 
+    def _refl_loss(self, x, sigma, cond, rows, record: bool) -> torch.Tensor:
+        """ReFL's rows: x (B, *latent) the states at the stop steps, sigma (B,) theirs."""
+        from .models.base import decode_with_grad
+
+        cfg, parts, opts = self.cfg, self.parts, self.algorithm.opts
+        v, v_ref = velocities(parts, x, sigma, cond, cfg.train.kl_beta > 0)
+        x0 = x - sigma.view(-1, *([1] * (x.ndim - 1))) * v.float()  # the one-step prediction of the clean latent
+        with parts.accelerator.autocast():
+            images = decode_with_grad(parts.adapter, x0)
+        prompts = [self.algorithm.prompts[int(g)] for g in rows]
+        metadata = [self.algorithm.metadata[int(g)] for g in rows] if self.algorithm.metadata else None
+        reward = self.algorithm.rewards.differentiable_total(images, prompts, metadata).to(x.device)  # (B,)
+        kl = ((v.float() - v_ref.float()) ** 2).flatten(1).mean(1) if v_ref is not None else torch.zeros_like(reward)
+        loss = opts.refl_scale * torch.relu(opts.refl_margin - reward) + cfg.train.kl_beta * kl
+        if record:
+            self.nfe += len(rows)
+            self.rewards_seen.append(reward.detach().cpu())
+            self.kls.append(kl.detach().cpu())
+            self.losses.append(loss.detach().cpu())
+        return loss.sum()
+
     def end_minibatch(self, gen: torch.Generator) -> torch.Tensor | None:
         self.first = False
         return None
@@ -832,8 +864,13 @@ class RewardBackpropObjective:
     def statistics(self) -> dict:
         procs = self.parts.procs
         rewards, gaps, kls = gathered(procs, self.rewards_seen, self.gaps, self.kls)
-        return {"trained_edges": 0, "work_items": len(self.start), "nfe_train": procs.sum(self.nfe),
-                "policy_loss": -float(rewards.mean()) if len(rewards) else 0.0,
-                "kl_loss": float(kls.mean()) if len(kls) else 0.0,
-                "reward_grad_mean": float(rewards.mean()) if len(rewards) else 0.0,
-                "refl_rerun_gap": max(procs.gather([self.first_gap]))}
+        stats = {"trained_edges": 0, "work_items": len(self.start), "nfe_train": procs.sum(self.nfe),
+                 "kl_loss": float(kls.mean()) if len(kls) else 0.0,
+                 "reward_grad_mean": float(rewards.mean()) if len(rewards) else 0.0}
+        if self.algorithm.opts.mode == "refl":
+            losses, = gathered(procs, self.losses)
+            stats["policy_loss"] = float(losses.mean()) if len(losses) else 0.0
+        else:  # DRaFT-K's loss is minus the reward; its re-run retraces the rollout on the first update
+            stats["policy_loss"] = -float(rewards.mean()) if len(rewards) else 0.0
+            stats["refl_rerun_gap"] = max(procs.gather([self.first_gap]))
+        return stats

@@ -54,6 +54,27 @@ def test_refl_raises_the_reward_it_differentiates(tmp_path):
     assert after > before + 1e-3, (before, after)
 
 
+def test_refl_mode_predicts_x0_from_a_late_step_and_pays_the_margin(tmp_path):
+    """ImageReward's ReFL: every sample stops at a step drawn from the grid's last quarter (indices 6..7 of 8), the
+    loss row is scale * relu(margin - r(decode(x_t - sigma v))); with the margin above every reward it is
+    scale * (margin - mean r) exactly, and the weights move toward a higher reward."""
+    from flowrl.trainer import Trainer
+
+    cfg = make_cfg(tmp_path, "algorithm.name=refl", "algorithm.mode=refl", "algorithm.refl_margin=5.0",
+                   "algorithm.refl_scale=10.0", "sampler.num_steps=8", "train.prompts_per_iter=4",
+                   "rewards=[{name: 'tests.helpers:brightness'}]", "train.lr=1e-2", *SHAPES)
+    trainer = Trainer(cfg)
+    prompts, seeds = ["a red circle on a blue background"] * 4, [0, 1, 2, 3]
+    before = trainer.rollout_sampler(prompts, seeds).mean()
+    rows = [trainer.iteration(i) for i in range(3)]
+    stops = trainer.objective.stops
+    assert set(stops.tolist()) <= {6, 7} and rows[0]["nfe_train"] == 4  # one prediction per sample
+    assert rows[0]["policy_loss"] == pytest.approx(10.0 * (5.0 - rows[0]["reward_grad_mean"]), rel=1e-5)
+    assert "refl_rerun_gap" not in rows[0]
+    after = trainer.rollout_sampler(prompts, seeds).mean()
+    assert after > before + 1e-3, (before, after)
+
+
 def test_guided_step_by_hand():
     """One guided Dance-SDE step: the sample is the unguided one plus the guidance's shift, and its log-prob is
     that of the unguided transition."""

@@ -1,13 +1,20 @@
-"""ReFL / DRaFT-K, direct reward backpropagation (ImageReward's ReFL, arXiv 2304.05977; DRaFT, arXiv 2309.17400):
-no advantages and no log-probs. Each prompt's samples are drawn by the deterministic (ODE) sampler; the update
-re-runs the last ``grad_steps`` (K) steps from the stored state with the policy's graph kept, decodes, and follows
-the gradient of a differentiable reward:
+"""Direct reward backpropagation, in two modes (DRaFT, arXiv 2309.17400; ImageReward's ReFL, arXiv 2304.05977): no
+advantages and no log-probs. Each prompt's samples are drawn by the deterministic (ODE) sampler.
+
+``mode: draft_k`` (the default), DRaFT-K: the update re-runs the last ``grad_steps`` (K) steps from the stored state
+with the policy's graph kept, decodes, and follows the gradient of a differentiable reward:
 
     L = -mean r(decode(x_T))  (+ train.kl_beta mean((v_theta - v_ref)^2) over the K steps).
 
-K = 1 is DRaFT-LV's (and UniRL's recipe's) choice. The reward must pass a gradient to the images (the ``clip``
-reward, or a function marked ``differentiable = True``); any other is refused before a model loads. Defaults from
-UniRL's SD3.5-M recipe: 4 sampling steps, K = 1, one sample per prompt, lr 1e-4, LoRA r 32."""
+(DRaFT-LV is K = 1 plus re-noising the final sample several times, which this mode does not do.)
+
+``mode: refl``, ImageReward's ReFL: each sample stops at a step t drawn uniformly from the last
+``refl_window`` of the grid (30..39 of 40 for 0.25), the policy predicts the clean image from that state in one
+step, ``x0 = x_t - sigma_t v_theta(x_t)``, and the loss is ``refl_scale relu(refl_margin - r(decode(x0)))`` (ReFL's
+``relu(2 - r)`` scaled by 1e-3).
+
+The reward must pass a gradient to the images (the ``clip`` reward, or a function marked ``differentiable =
+True``); any other is refused before a model loads. DRaFT-K's defaults: K = 1, one sample per prompt."""
 
 from __future__ import annotations
 
@@ -23,7 +30,14 @@ from .flow_grpo import FlowGRPO
 
 class ReFLOptions(AlgorithmOptions):
     samples_per_prompt: int = opt(1, "ODE samples per prompt", lo=1)
-    grad_steps: int = opt(1, "K: the last K sampling steps are re-run with the graph kept (DRaFT-K)", lo=1)
+    mode: str = opt("draft_k", "draft_k: re-run the last K steps with the graph and differentiate the final image's "
+                    "reward (DRaFT-K); refl: one x0 prediction from a random late step, loss relu(margin - r) (ReFL)",
+                    choices=["draft_k", "refl"])
+    grad_steps: int = opt(1, "draft_k: K, the last K sampling steps re-run with the graph kept", lo=1)
+    refl_window: float = opt(0.25, "refl: the stop step is drawn from the last fraction of the grid (ReFL: 30..39 "
+                             "of 40)", lo=0.0, lo_open=True, hi=1.0)
+    refl_margin: float = opt(2.0, "refl: the loss is relu(margin - reward) (ReFL: 2 on ImageReward's scale)")
+    refl_scale: float = opt(1e-3, "refl: the loss's scale (ReFL's grad_scale)", lo=0.0, lo_open=True)
 
 
 class ReFL(FlowGRPO):
