@@ -188,8 +188,8 @@ class TransitionObjective:
             dt = (tree.sigmas[:-1] - tree.sigmas[1:]).abs().tolist()
             self.weights = {i: (self.weights or {}).get(i, 1.0) / d for i, d in enumerate(dt) if d > 0}
         self.untrained = untrained_states(tree) if cfg.train.kl_untrained_beta > 0 else None
-        self.rows = {k: [] for k in ("ratio", "clipped", "kl", "policy_loss", "approx_kl", "step")}
-        self.untrained_kls, self.mb_ratios, self.first = [], [], True
+        self.rows = {k: [] for k in ("ratio", "clipped", "kl", "policy_loss", "approx_kl", "step", "minibatch")}
+        self.untrained_kls, self.mb_ratios, self.first, self.minibatch = [], [], True, -1
         self.nfe, self.first_deviation, self.first_log_ratio = 0, 0.0, 0.0
         self.calls = tree.rollout_calls() if self.same_composition else {}
         if self.same_composition and not self.calls:
@@ -214,6 +214,7 @@ class TransitionObjective:
 
     def begin_minibatch(self, items: list, gen: torch.Generator) -> None:
         self.mb_ratios = []
+        self.minibatch += 1  # each minibatch is one optimizer step
 
     def micro_batch_loss(self, numbered: list[tuple[int, Any]], record: bool = True) -> torch.Tensor:
         cfg = self.cfg
@@ -241,6 +242,7 @@ class TransitionObjective:
         r["policy_loss"].append(loss_r.detach())
         r["approx_kl"].append(0.5 * (logp.detach() - old) ** 2)
         r["step"].append(step)
+        r["minibatch"].append(torch.full_like(step, self.minibatch))
         return row_loss.sum()
 
     def end_minibatch(self, gen: torch.Generator) -> torch.Tensor | None:
@@ -272,17 +274,19 @@ class TransitionObjective:
         if not self.num_items:  # nothing trained: no ratio, loss or KL was measured
             return stats
         r = self.rows  # every process's rows, so the statistics are the whole update's
-        ratios, clipped, approx, kls, pls, steps = procs.gather_rows(r["ratio"], r["clipped"], r["approx_kl"], r["kl"],
-                                                                     r["policy_loss"], r["step"])
+        ratios, clipped, approx, kls, pls, steps, mbs = procs.gather_rows(
+            r["ratio"], r["clipped"], r["approx_kl"], r["kl"], r["policy_loss"], r["step"], r["minibatch"])
         ratio = torch.cat(ratios).cpu()
-        step = torch.cat(steps)
+        step, kl, minibatch = torch.cat(steps), torch.cat(kls).cpu(), torch.cat(mbs).cpu()
+        # each optimizer step's mean KL, the largest of them (GARDO's reference reset reads it)
+        step_kl = max(float(kl[minibatch == m].mean()) for m in minibatch.unique().tolist())
         stats.update({
             "nfe_train": procs.sum(self.nfe), "ratio_max_abs_dev_first_update": self.first_deviation,
             "mean_abs_log_ratio_first_update": self.first_log_ratio,
             "clipfrac": float(torch.cat(clipped).mean()), "approx_kl": float(torch.cat(approx).mean()),
             "ratio_mean": float(ratio.mean()), "ratio_std": float(ratio.std(correction=0)),
-            "policy_loss": float(torch.cat(pls).mean()), "kl_loss": float(torch.cat(kls).mean()),
-            "mean_abs_log_ratio": float(ratio.log().abs().mean()),
+            "policy_loss": float(torch.cat(pls).mean()), "kl_loss": float(kl.mean()),
+            "kl_loss_step_max": step_kl, "mean_abs_log_ratio": float(ratio.log().abs().mean()),
         })
         if self.untrained is not None:  # this process's states (the mean differs little across processes)
             stats["kl_untrained"] = float(torch.cat(self.untrained_kls).mean()) if self.untrained_kls else 0.0

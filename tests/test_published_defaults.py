@@ -179,3 +179,49 @@ def test_online_dpo_and_sft_draw_logit_normal_sigmas_on_the_training_scheduler()
         k = algo.opts.timesteps_per_sample
         assert torch.equal(drawn, logit_normal_sigmas(4, k, 3.0, torch.Generator().manual_seed(5)))
         assert not torch.isin(drawn, torch.linspace(1, 0, 11)).all()  # continuous, not the rollout grid
+
+
+def test_gardo_resets_when_any_optimizer_step_passes_the_threshold(tmp_path):
+    """The published rule checks the KL after every optimizer step: one step above the threshold resets the
+    reference even when the iteration's mean is below it. kl_loss_step_max is the largest step's mean KL, measured
+    here with two minibatches (two optimizer steps)."""
+    from tests.conftest import make_cfg
+
+    from flowrl.trainer import Trainer
+
+    cfg = make_cfg(tmp_path, "algorithm.name=gardo", "algorithm.group_size=4", "sampler.num_steps=4",
+                   "train.prompts_per_iter=2", "train.kl_beta=0.04", "train.num_minibatches=2", "train.lr=1e-2",
+                   "rewards=[{name: jpeg_incompressibility}, {name: 'tests.helpers:brightness'}]")
+    trainer = Trainer(cfg)
+    row = trainer.iteration(0)
+    assert row["kl_loss_step_max"] >= row["kl_loss"] - 1e-12 and row["optimizer_steps"] == 2
+    algo, threshold = trainer.algorithm, trainer.algorithm.opts.kl_threshold
+    algo.since_reset = 0
+    stats = {"kl_loss": threshold / 2, "kl_loss_step_max": threshold * 2}
+    algo.observe_update(stats)
+    assert stats["gardo_reference_reset"] == 1.0
+    stats = {"kl_loss": threshold / 2, "kl_loss_step_max": threshold / 2}
+    algo.observe_update(stats)
+    assert stats["gardo_reference_reset"] == 0.0
+
+
+def test_euphonium_normalises_the_gradient_by_the_whole_batch_as_published():
+    """Pixel-space tiny model and the mean-pixel reward: g = 1 / (2 n) on each of 2 x n elements. batch (the published
+    code): g / ||g|| over the batch = 1 / sqrt(2 n); sample: 1 / sqrt(n); the shift is lambda (sigma - sigma_next)
+    times that."""
+    from flowrl.algorithms.euphonium import Euphonium
+    from flowrl.config import load_config
+    from flowrl.models import load_adapter
+
+    n = 3 * 32 * 32
+    for mode, per_element in (("batch", 1 / (2 * n) ** 0.5), ("sample", 1 / n ** 0.5), ("none", 1 / (2 * n))):
+        cfg = load_config(None, ["algorithm.name=euphonium", "sampler.kernel=dance", "algorithm.guidance_scale=2.0",
+                                 "algorithm.process_reward=tests.helpers:brightness", f"algorithm.normalize_gradient={mode}",
+                                 "model.pretrained=tiny-shapes", "model.resolution=32", "data.prompt_set=shapes-train"])
+        algo = Euphonium(cfg)
+        algo.check_inputs(None)
+        algo.adapter = load_adapter(cfg.model)
+        algo.prompts, algo.metadata = ["a red circle on a blue background"], None
+        x, v = torch.full((2, 3, 32, 32), 0.1), torch.full((2, 3, 32, 32), 0.2)
+        shift, _ = algo.guide(x, v, 0.8, 0.6, torch.tensor([0, 0]))
+        assert torch.allclose(shift, torch.full_like(shift, 2.0 * 0.2 * per_element), rtol=1e-5), mode

@@ -8,7 +8,8 @@ along the gradient of the process reward r_p at the current state,
 
 with v held fixed (the gradient runs through the decoder and the reward, not the transformer), ``lambda =
 guidance_scale`` (or ``eta^2 / (2 kl_beta_guidance)`` when that is negative: the KL-regularised optimal-control
-reading, 0.01 with the published eta 0.25 and 3.125), and g optionally normalised per sample. The stored log-prob is
+reading, 0.01 with the published eta 0.25 and 3.125), and g optionally normalised (``normalize_gradient``: by the
+whole batch's norm as the published code, or per sample). The stored log-prob is
 the *unguided* transition's, as in the official code: the ratio is of the policy itself, so the update pulls the
 policy's own mean toward the guided moves, and guidance is what the policy internalises.
 
@@ -48,7 +49,8 @@ class EuphoniumOptions(DanceGRPOOptions):
     guidance_scale: float = opt(0.01, "lambda; negative: eta^2 / (2 kl_beta_guidance)")
     kl_beta_guidance: float = opt(3.125, "beta_KL of lambda = eta^2 / (2 beta_KL) (used when guidance_scale < 0)",
                                   lo=0.0, lo_open=True)
-    normalize_gradient: bool = opt(False, "divide g by its per-sample norm")
+    normalize_gradient: str = opt("none", "none; batch: divide g by the whole batch's norm (the published code); sample: "
+                                  "by each sample's own norm", choices=["none", "batch", "sample"])
     process_weight: float = opt(1.0, "weight of the process advantage (0 = outcome only, the code's 'none')",
                                 lo=0.0)
 
@@ -133,8 +135,10 @@ class Euphonium(DanceGRPO):
                 images = decode_with_grad(self.adapter, xg - sigma * v.detach().float())  # the one-step x0 prediction
                 reward = self.process.differentiable_total(images, prompts, metadata)
             (g,) = torch.autograd.grad(reward.sum(), xg)
-        if self.opts.normalize_gradient:
+        if self.opts.normalize_gradient == "sample":
             g = g / g.flatten(1).norm(dim=1).clamp_min(1e-12).view(-1, *([1] * (g.ndim - 1)))
+        elif self.opts.normalize_gradient == "batch":
+            g = g / g.norm().clamp_min(1e-12)
         return self.strength * (sigma - sigma_next) * g, reward.detach()
 
     def reward_advantages(self, tree, scores, weights, it, prompts=None):

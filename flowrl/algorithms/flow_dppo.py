@@ -7,7 +7,8 @@ ratio < 1 with A < 0). The loss is ``mean(-A r)`` over the rest, with no clip: m
 kept however far they went, which is what makes several updates per rollout stable.
 
 Defaults are the official code's (threshold 1e-5, the KL's std, per-element mean); its SD3.5-M recipe is
-``configs/sd35m_flow_dppo.yaml``."""
+``configs/sd35m_flow_dppo.yaml``. At the first step (sigma = 1) the std is the sampler kernel's own, with its
+substitute for sigma = 1, as verl-omni computes it; the official code instead clamps sigma at 0.99 there."""
 
 from __future__ import annotations
 
