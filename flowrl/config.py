@@ -751,7 +751,7 @@ def validate(cfg: Config) -> None:
     if cfg.train.kl_beta > 0 and cfg.train.kl_std == "flow_grpo" and cfg.sampler.kernel == "cps":
         raise ConfigError("train.kl_std=flow_grpo: the cps kernel's std has no sqrt(|dt|) factor to remove; "
                           "use train.kl_std=transition")
-    algorithm_class(cfg.algorithm.name).check(cfg)
+    algorithm_class(cfg.algorithm.name).validate(cfg)  # the universal checks, then the algorithm's own
 
 
 def to_dict(cfg) -> dict:

@@ -225,3 +225,23 @@ def test_euphonium_normalises_the_gradient_by_the_whole_batch_as_published():
         x, v = torch.full((2, 3, 32, 32), 0.1), torch.full((2, 3, 32, 32), 0.2)
         shift, _ = algo.guide(x, v, 0.8, 0.6, torch.tensor([0, 0]))
         assert torch.allclose(shift, torch.full_like(shift, 2.0 * 0.2 * per_element), rtol=1e-5), mode
+
+
+def test_every_algorithm_s_config_runs_the_universal_checks():
+    """validate() runs the universal checks before each algorithm's own check, and no algorithm overrides it: an
+    algorithm without a PPO ratio refuses GRPO-Guard at config load whatever its check() does."""
+    from flowrl.algorithms import FlowGRPO
+    from flowrl.config import load_config
+    from flowrl.errors import ConfigError
+    from flowrl.registry import ALGORITHMS
+
+    refusing = 0
+    for name in ALGORITHMS.names():
+        cls = ALGORITHMS.resolve(name)
+        assert "validate" not in vars(cls) or cls is FlowGRPO, name
+        if not cls.refuses_grpo_guard:
+            continue
+        refusing += 1
+        with pytest.raises(ConfigError, match="train.grpo_guard"):
+            load_config(None, [f"algorithm.name={name}", "train.grpo_guard=true"])
+    assert refusing >= 6  # the forward-process methods and reward backpropagation

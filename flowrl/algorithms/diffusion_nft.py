@@ -73,7 +73,6 @@ class DiffusionNFT(FlowGRPO):
 
     @classmethod
     def check(cls, cfg) -> None:
-        cls.check_grpo_guard(cfg)
         if cfg.train.kl_untrained_beta > 0:
             raise ConfigError("train.kl_untrained_beta: diffusion_nft trains on the forward process, where "
                               "train.kl_beta already compares the velocities at every timestep it draws; set "

@@ -74,8 +74,9 @@ class FlowGRPO:
             raise ConfigError(f"train.grpo_guard: {cls.refuses_grpo_guard}; set train.grpo_guard=false")
 
     @classmethod
-    def check(cls, cfg) -> None:
-        """Cross-field checks, run at config load (before a model is loaded or a file written).
+    def validate(cls, cfg) -> None:
+        """Every check of a config for this algorithm, run at config load: the universal ones first (here, where no
+        subclass's :meth:`check` can skip them), then the algorithm's own. Not to be overridden.
 
         Args:
             cfg: the whole loaded config (``cfg.algorithm`` holds this algorithm's options).
@@ -83,6 +84,18 @@ class FlowGRPO:
             ConfigError: one line naming the key to change.
         """
         cls.check_grpo_guard(cfg)
+        cls.check(cfg)
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """This algorithm's own cross-field checks, run at config load (before a model is loaded or a file written)
+        after the universal ones (:meth:`validate`).
+
+        Args:
+            cfg: the whole loaded config (``cfg.algorithm`` holds this algorithm's options).
+        Raises:
+            ConfigError: one line naming the key to change.
+        """
         check_window(cfg, required=cls.window_required)
         a = cfg.algorithm
         if getattr(a, "antithetic", False):

@@ -46,7 +46,6 @@ class ReFL(FlowGRPO):
 
     @classmethod
     def check(cls, cfg) -> None:
-        cls.check_grpo_guard(cfg)
         if cfg.algorithm.grad_steps > cfg.sampler.num_steps:
             raise ConfigError(f"algorithm.grad_steps={cfg.algorithm.grad_steps}: at most sampler.num_steps="
                               f"{cfg.sampler.num_steps} steps can be re-run")
