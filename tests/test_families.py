@@ -47,6 +47,10 @@ RATIO_STATISTICS = {"clipfrac", "approx_kl", "ratio_mean", "ratio_std", "ratio_m
                     "mean_abs_log_ratio"}
 
 
+# the quick suite (`make test`) runs these on SD3; the other families' runs are heavy (`make test-heavy`, CI)
+FAMILIES_SD3_QUICK = [pytest.param(f, marks=() if f == "sd3" else pytest.mark.heavy) for f in FAMILIES]
+
+
 def family_cfg(family, *extra):
     return load_config(None, [*FAMILIES[family], "log.progress=false", *extra])
 
@@ -228,7 +232,7 @@ def test_flux_sigmas_are_the_pipelines():
     assert sig.tolist() == pytest.approx(expect, abs=1e-6)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES_SD3_QUICK)
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_every_algorithm_trains_on_every_family(tmp_path, family, algorithm):
     from flowrl.trainer import Trainer
@@ -278,7 +282,7 @@ def trained_lora_velocities(tmp_path, cfg, sigma, **load_kwargs):
     return v_ours, v_pipe, v_base
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES_SD3_QUICK)
 def test_saved_lora_loads_with_the_family_pipeline(tmp_path, family):
     """Train two iterations with LoRA, save, load the file with the family's diffusers pipeline
     (``load_lora_weights``): its transformer gives our policy's velocity."""
@@ -317,7 +321,7 @@ def test_sd3_rollout_equals_sd3_pipeline():
     assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES_SD3_QUICK)
 def test_bench_runs_on_every_family(family, capsys):
     import json
 
