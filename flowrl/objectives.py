@@ -20,7 +20,7 @@ forward process (DiffusionNFT, AWM, SFT, AC-Flow), with the pairwise (online DPO
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -45,6 +45,7 @@ class TrainingParts:
     sigmas: torch.Tensor  # (T + 1,) the rollout grid
     negative: Any  # the negative prompt's conditioning (CFG), or None
     kernel_options: dict  # extra keyword arguments of the step kernel (flowrl.sampling.kernel_options)
+    rewards: Any = None  # the run's reward set (an objective that differentiates the reward scores with it)
 
     @property
     def device(self) -> torch.device:
@@ -63,6 +64,9 @@ class UpdateBatch:
     cond: Any  # the prompts' conditioning, indexed by prompt row
     node_adv: list[torch.Tensor]  # per round (N_r,): the advantage of the edge into each node
     masks: list[torch.Tensor]  # per round (N_r,) bool: that edge is trained this iteration
+    prompts: list[str] = field(default_factory=list)  # the prompt of each prompt row
+    metadata: list[dict] | None = None  # each prompt row's metadata (GenEval's clauses), where the prompts have it
+    pairs: list[tuple[int, int]] | None = None  # (chosen, rejected) leaf indices, for preference objectives
 
 
 class Objective(Protocol):
@@ -595,11 +599,8 @@ class PreferencePairObjective(ForwardProcessObjective):
         tree, dev = batch.tree, self.parts.device
         self.cond = batch.cond
         self.x0 = tree.leaves.to(dev)  # (L, *latent)
-        marks = tree.leaf_values(batch.node_adv)  # (L,) +1 chosen, -1 rejected, 0 neither
         self.prompt_rows = tree.leaf_group
-        chosen = {int(tree.leaf_group[i]): i for i in (marks > 0.5).nonzero().flatten().tolist()}
-        rejected = {int(tree.leaf_group[i]): i for i in (marks < -0.5).nonzero().flatten().tolist()}
-        self.pairs = [(chosen[g], rejected[g]) for g in sorted(chosen) if g in rejected]
+        self.pairs = list(batch.pairs or [])  # (chosen, rejected) leaves, one pair per group that has one
         self.t = self.algorithm.training_timesteps(len(self.pairs), self.parts.sigmas, gen)  # (P, k)
         self.losses, self.kls, self.wins, self.gaps, self.nfe = [], [], [], [], 0
         return [(p, j) for p in range(len(self.pairs)) for j in range(self.t.shape[1])]
@@ -775,6 +776,7 @@ class RewardBackpropObjective:
     def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
         tree = self.tree = batch.tree
         self.cond = batch.cond
+        self.prompts, self.metadata = batch.prompts, batch.metadata
         opts, n_rounds = self.algorithm.opts, tree.num_rounds
         rounds, pos = tree.leaf_positions()
         if opts.mode == "refl":  # each sample's stop step, uniform over the grid's last refl_window
@@ -826,9 +828,9 @@ class RewardBackpropObjective:
             x = x + (sig[i + 1] - sig[i]) * v.float()  # the ODE (Euler) step, as the rollout took it
         with parts.accelerator.autocast():
             images = decode_with_grad(parts.adapter, x)
-        prompts = [self.algorithm.prompts[int(g)] for g in rows]
-        metadata = [self.algorithm.metadata[int(g)] for g in rows] if self.algorithm.metadata else None
-        reward = self.algorithm.rewards.differentiable_total(images, prompts, metadata).to(dev)  # (B,)
+        prompts = [self.prompts[int(g)] for g in rows]
+        metadata = [self.metadata[int(g)] for g in rows] if self.metadata else None
+        reward = self.parts.rewards.differentiable_total(images, prompts, metadata).to(dev)  # (B,)
         loss = -reward + cfg.train.kl_beta * kl
         if record:
             self.nfe += len(leaves) * self.algorithm.opts.grad_steps
@@ -849,9 +851,9 @@ class RewardBackpropObjective:
         x0 = x - sigma.view(-1, *([1] * (x.ndim - 1))) * v.float()  # the one-step prediction of the clean latent
         with parts.accelerator.autocast():
             images = decode_with_grad(parts.adapter, x0)
-        prompts = [self.algorithm.prompts[int(g)] for g in rows]
-        metadata = [self.algorithm.metadata[int(g)] for g in rows] if self.algorithm.metadata else None
-        reward = self.algorithm.rewards.differentiable_total(images, prompts, metadata).to(x.device)  # (B,)
+        prompts = [self.prompts[int(g)] for g in rows]
+        metadata = [self.metadata[int(g)] for g in rows] if self.metadata else None
+        reward = self.parts.rewards.differentiable_total(images, prompts, metadata).to(x.device)  # (B,)
         kl = ((v.float() - v_ref.float()) ** 2).flatten(1).mean(1) if v_ref is not None else torch.zeros_like(reward)
         loss = opts.refl_scale * torch.relu(opts.refl_margin - reward) + cfg.train.kl_beta * kl
         if record:

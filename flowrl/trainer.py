@@ -92,7 +92,7 @@ class Trainer:
         self.algorithm.attach(self.policy, self.context)
         options = kernel_options(cfg)
         self.objective = self.algorithm.make_objective(TrainingParts(
-            cfg, self.adapter, self.policy, self.procs, self.sigmas, self.negative, options))
+            cfg, self.adapter, self.policy, self.procs, self.sigmas, self.negative, options, self.rewards))
         check_update_composition(self.objective, cfg)
         self.runner = RolloutRunner(self.adapter, self.rewards, self.procs,
                                     RolloutOptions.from_config(cfg, options, self.objective.needs_sampling_mean),
@@ -221,8 +221,8 @@ class Trainer:
         adv_stats["pruned_edges"] = sum(int((m & ~k).sum()) for m, k in zip(masks, keep))
         masks = [m & k for m, k in zip(masks, keep)]
         with self.meter.phase("update"):
-            train_stats = optimise(self.objective, UpdateBatch(tree, cond, node_adv, masks), self.policy, self.procs,
-                                   self.train_options, gen, it)
+            batch = UpdateBatch(tree, cond, node_adv, masks, prompts, metadata, algo.preference_pairs(tree, scores))
+            train_stats = optimise(self.objective, batch, self.policy, self.procs, self.train_options, gen, it)
         if self.policy.old is not None:
             self.policy.follow_old(algo.old_decay(it))
         algo.observe_update(train_stats)

@@ -44,6 +44,8 @@ def test_refl_raises_the_reward_it_differentiates(tmp_path):
                    "train.prompts_per_iter=4", "rewards=[{name: 'tests.helpers:brightness'}]", "train.lr=1e-2",
                    *SHAPES)
     trainer = Trainer(cfg)
+    # the objective reads the prompts and the rewards from the update batch and its parts, not the algorithm
+    trainer.algorithm.remember_prompts, trainer.algorithm.rewards = (lambda *args: None), None
     prompts, seeds = ["a red circle on a blue background"] * 4, [0, 1, 2, 3]
     before = trainer.rollout_sampler(prompts, seeds).mean()
     rows = [trainer.iteration(i) for i in range(3)]

@@ -347,6 +347,10 @@ class FlowGRPO:
         (old <- d old + (1 - d) trained)."""
         return 0.0
 
+    def preference_pairs(self, tree, scores) -> list[tuple[int, int]] | None:
+        """(chosen, rejected) leaf indices for a preference objective (the update batch's ``pairs``); None here."""
+        return None
+
     def samples_with_old_policy(self, it: int) -> bool:
         """With ``keeps_old_policy``: whether iteration ``it``'s rollout is drawn with the old weights."""
         return True

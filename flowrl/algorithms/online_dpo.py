@@ -52,13 +52,14 @@ class OnlineDPO(AWM):
                               "set train.lora.enabled=true")
 
     def advantages(self, tree, rewards: torch.Tensor, it: int, prompts: list[str] | None = None):
-        """+1 on each group's chosen leaf, -1 on its rejected one, 0 elsewhere (the objective reads the pairs back)."""
-        marks = torch.zeros(rewards.shape[0])
-        pairs = preference_pairs(rewards, tree.leaf_group)
-        for w, l in pairs:
-            marks[w], marks[l] = 1.0, -1.0
+        """No advantages (zeros): the update reads the pairs (:meth:`preference_pairs`), not advantages."""
         keep = [torch.ones(x.shape[0], dtype=torch.bool) for x in tree.latents]
-        return tree.node_values_from_leaves(marks), keep, {"dpo_pairs": len(pairs)}
+        zeros = tree.node_values_from_leaves(torch.zeros(rewards.shape[0]))
+        return zeros, keep, {"dpo_pairs": len(preference_pairs(rewards, tree.leaf_group))}
+
+    def preference_pairs(self, tree, scores) -> list[tuple[int, int]]:
+        """Each group's (best, worst) leaves by the total reward: the update batch's ``pairs``."""
+        return preference_pairs(scores.total, tree.leaf_group)
 
     def make_objective(self, parts):
         """The pairwise objective (:class:`flowrl.objectives.PreferencePairObjective`)."""
