@@ -109,6 +109,11 @@ class ShardedSampler:
     shares, one per process; every process gets every image, in order. Every process must call it alike (the
     held-out evaluations and sample grids run on all of them); one image depends only on its prompt and seed."""
 
+    @classmethod
+    def shared(cls, sampler, procs: Processes, equal_shares: bool = False):
+        """``sampler`` itself in one process; with several, a ShardedSampler over them."""
+        return cls(sampler, procs, equal_shares) if procs.distributed else sampler
+
     def __init__(self, sampler, procs: Processes, equal_shares: bool = False):
         self.sampler, self.procs, self.equal_shares = sampler, procs, equal_shares
 

@@ -51,13 +51,8 @@ class Trainer:
             held-out evaluation, plots, trackers): ``on_train_begin(trainer)``, ``on_iteration_end(trainer, it,
             row)`` (return a string to stop after this iteration) and ``on_train_end(trainer)``.
 
-    Example:
-        ```python
-        from flowrl.config import load_config
-        from flowrl.trainer import Trainer
-
-        run_dir = Trainer(load_config("configs/tiny_jpeg.yaml", ["train.iterations=2"])).train()
-        ```
+    Example: ``Trainer(load_config("configs/tiny_jpeg.yaml", ["train.iterations=2"])).train()`` returns the run
+    folder; the Python quickstart page goes on to read its metrics and sample from its weights.
     """
 
     def __init__(self, cfg: Config, config_name: str = "run", run_dir: str | Path | None = None,
@@ -78,13 +73,15 @@ class Trainer:
         self.run_dir = self.folder.path
         if resume_ckpt is not None and cfg.train.micro_batch == "auto":
             saved_micro_batch(self.run_dir)  # a damaged micro_batch.json: one line before a model loads
-        # --- the model, the policy and what trains it
-        # sharded, only the main process reads the trained transformer's weights
+        # --- the model (sharded, only the main process reads the trained weights), the policy and what trains it
         self.adapter = load_adapter(cfg.model, self.device, self.procs.is_main if cfg.train.fsdp.enabled else None)
         self.latent_shape = self.adapter.latent_shape(cfg.model.resolution)
         self.policy = self._setup_policy()
         self.accelerator = self.policy.accelerator
-        self.rollout_sampler, self.eval_sampler = self._setup_samplers()
+        # ODE sampling on the rollout grid (AdaGRPO's anchors), and on the evaluation grid (grids, held-out), where
+        # several processes each sample a share of the prompts
+        self.rollout_sampler = Sampler(cfg, self.adapter, num_steps=cfg.sampler.num_steps)
+        self.eval_sampler = ShardedSampler.shared(Sampler(cfg, self.adapter), self.procs, cfg.train.fsdp.enabled)
         self.sigmas, self.negative = self.rollout_sampler.sigmas, self.rollout_sampler.negative
         self.context = AlgorithmContext(self.prompts, self.rewards, self.rollout_sampler)
         for name, path in references.items():
@@ -136,15 +133,6 @@ class Trainer:
         if self.algorithm.keeps_old_policy:
             policy.enable_old_policy()
         return policy
-
-    def _setup_samplers(self) -> tuple[Sampler, Sampler]:
-        """ODE sampling on the rollout grid (AdaGRPO's anchors) and on the evaluation grid (grids, held-out); with
-        several processes each samples a share of the evaluation prompts."""
-        cfg = self.cfg
-        rollout, evaluation = Sampler(cfg, self.adapter, num_steps=cfg.sampler.num_steps), Sampler(cfg, self.adapter)
-        if self.procs.distributed:
-            evaluation = ShardedSampler(evaluation, self.procs, equal_shares=cfg.train.fsdp.enabled)
-        return rollout, evaluation
 
     # ------------------------------------------------------------------------------------------ the loop
     def train(self) -> Path:
