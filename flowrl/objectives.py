@@ -779,7 +779,7 @@ class RewardBackpropObjective:
         self.prompts, self.metadata = batch.prompts, batch.metadata
         opts, n_rounds = self.algorithm.opts, tree.num_rounds
         rounds, pos = tree.leaf_positions()
-        if opts.mode == "refl":  # each sample's stop step, uniform over the grid's last refl_window
+        if self.algorithm.predicts_x0:  # each sample's stop step, uniform over the grid's last refl_window
             first = min(n_rounds - 1, int(n_rounds * (1 - opts.refl_window)))
             stops = torch.randint(first, n_rounds, (len(pos),), generator=gen)  # (L,) grid indices
         else:  # a chain: round r holds the state at grid index r; the re-run starts K rounds up
@@ -817,7 +817,7 @@ class RewardBackpropObjective:
         rows = self.rows[leaves]
         cond = self.cond.index(rows.to(self.cond.embeds.device))
         sig = self.tree.sigmas.to(dev)
-        if self.algorithm.opts.mode == "refl":
+        if self.algorithm.predicts_x0:
             return self._refl_loss(x, sig[self.stops[leaves].to(dev)], cond, rows, record)
         kl = torch.zeros(len(leaves), device=dev)
         for i in range(self.start_index, len(sig) - 1):
@@ -873,7 +873,7 @@ class RewardBackpropObjective:
         stats = {"trained_edges": 0, "work_items": len(self.start), "nfe_train": procs.sum(self.nfe),
                  "kl_loss": float(kls.mean()) if len(kls) else 0.0,
                  "reward_grad_mean": float(rewards.mean()) if len(rewards) else 0.0}
-        if self.algorithm.opts.mode == "refl":
+        if self.algorithm.predicts_x0:
             losses, = gathered(procs, self.losses)
             stats["policy_loss"] = float(losses.mean()) if len(losses) else 0.0
         else:  # DRaFT-K's loss is minus the reward; its re-run retraces the rollout on the first update

@@ -55,7 +55,11 @@ def test_one_training_iteration_on_the_ocr_reward(tmp_path):
     cfg = make_cfg(tmp_path, "rewards[0].name=ocr", "sampler.num_steps=4", "train.prompts_per_iter=2",
                    'data.prompts=["a sign that says \\"Hi\\"", "a label with \\"OK\\""]')
     row = Trainer(cfg).iteration(0)
-    assert 0.0 <= row["reward_mean/total"] <= 1.0 and row["ratio_max_abs_dev_first_update"] < 1e-5
+    assert 0.0 <= row["reward_mean/total"] <= 1.0
+    if row["work_items"]:  # groups whose scores differ are trained, with ratio 1 on the first update
+        assert row["ratio_max_abs_dev_first_update"] < 1e-5
+    else:  # every group's scores equal (no text read on the tiny model): nothing trained, no ratio measured
+        assert row["trained_edges"] == 0 and "ratio_max_abs_dev_first_update" not in row
 
 
 # ----------------------------------------------------------------------------------------- datasets

@@ -74,6 +74,11 @@ class ReFL(FlowGRPO):
     def select_edges(self, tree, gen):
         return [torch.zeros(x.shape[0], dtype=torch.bool) for x in tree.latents]
 
+    @property
+    def predicts_x0(self) -> bool:
+        """ReFL's one-step prediction of the clean image (``mode: refl``), not DRaFT-K's re-run of the last K steps."""
+        return self.opts.mode == "refl"
+
     def make_objective(self, parts):
         from ..objectives import RewardBackpropObjective
 
