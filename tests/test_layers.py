@@ -230,3 +230,14 @@ def test_the_core_never_imports_the_shapes_demo():
     naming = [m for m, path in modules().items() if not m.startswith("flowrl.shapes") and m not in registries
               and "flowrl.shapes" in path.read_text()]
     assert naming == []
+
+
+def test_every_package_folder_is_in_the_distribution():
+    """pyproject's package list names every folder of flowrl/ that is a package (a missing one installs a wheel
+    without it, as the command-line package once was)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {"flowrl." + p.parent.relative_to(ROOT / "flowrl").as_posix().replace("/", ".")
+               for p in (ROOT / "flowrl").rglob("__init__.py") if p.parent != ROOT / "flowrl"}
+    assert folders <= listed, folders - listed
