@@ -54,13 +54,19 @@ def test_rank_table_by_hand(tmp_path, capsys):
     assert (tmp_path / "rank" / "rank.md").read_text().strip() == text.strip()
 
 
-def test_rank_needs_finished_runs(tmp_path, capsys):
+def test_rank_skips_unfinished_runs_and_needs_one_finished(tmp_path, capsys):
+    """runs/*/ may hold runs without a held-out evaluation: each is named and skipped; with none finished, one line."""
+    done = _run(tmp_path, "done", 0, 0.6, 0.7)
     rd = _run(tmp_path, "x", 0, 0.6, 0.7)
     data = json.loads((rd / "eval.json").read_text())
     del data["after"]
     (rd / "eval.json").write_text(json.dumps(data))
     assert main(["rank", str(rd)]) != 0
-    assert "no eval.json with 'before' and 'after'" in capsys.readouterr().err
+    assert "none of the 1 runs has an eval.json with 'before' and 'after'" in capsys.readouterr().err
+    assert main(["rank", str(done), str(rd), "--out", str(tmp_path / "rank")]) == 0
+    captured = capsys.readouterr()
+    assert f"skipped 1 run(s) without a finished held-out evaluation (eval.json with 'before' and 'after'): {rd}" \
+        in captured.err and "| done |" in captured.out
 
 
 def test_compare_band_se(tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 from ..errors import FlowRLError
@@ -170,12 +171,13 @@ def rank_runs(run_dirs: list[Path], baseline: str | None = None, max_se: float =
     significant when it exceeds two standard errors of the difference, sqrt(se^2 + se_base^2); ``se_ok`` says
     whether the label's standard error is within ``max_se`` (1.5 points). Returns (table, the baseline's label)."""
     groups: dict[str, list[dict]] = {}
+    skipped = []
     for rd in map(Path, run_dirs):
         path = rd / "eval.json"
         ev = json.loads(path.read_text()) if path.is_file() else {}
-        if "before" not in ev or "after" not in ev:
-            raise FlowRLError(f"{rd}: no eval.json with 'before' and 'after'; train with log.eval=<an evaluator> to "
-                              f"the end")
+        if "before" not in ev or "after" not in ev:  # unfinished, or trained without a held-out evaluator
+            skipped.append(rd)
+            continue
         about = ev.get("about", {})
         key, watch = metric or about.get("headline"), about.get("watch")
         b, a = ev["before"], ev["after"]
@@ -190,6 +192,12 @@ def rank_runs(run_dirs: list[Path], baseline: str | None = None, max_se: float =
             "seed": seed, "gain": a[key] - b[key], "before": b[key], "after": a[key], "reward_after": a.get("reward", nan),
             "watch_change": a.get(watch, nan) - b.get(watch, nan) if watch else nan, "metric": key, "watch": watch,
             "seconds": last.get("seconds_cum", nan), "rollouts": last.get("rollouts_cum", nan)})
+    if skipped:  # a folder such as runs/*/ holds other runs too: named, not fatal
+        print(f"flowrl rank: skipped {len(skipped)} run(s) without a finished held-out evaluation (eval.json with "
+              f"'before' and 'after'): {', '.join(str(r) for r in skipped)}", file=sys.stderr)
+    if not groups:
+        raise FlowRLError(f"none of the {len(skipped)} runs has an eval.json with 'before' and 'after'; train with "
+                          "log.eval=<an evaluator> to the end")
     if baseline is not None and baseline not in groups:
         raise FlowRLError(f"--baseline {baseline!r} is none of the labels: {', '.join(groups)}")
     base_label = baseline or next(iter(groups))
