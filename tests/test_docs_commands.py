@@ -85,7 +85,7 @@ def test_the_pages_commands_run_as_printed(tmp_path):
                           f"log.run_name={label}-seed{seed}", *SHORT_TRAIN]))
     # the plug-in modules extending.md's commands name, written where the commands run
     extending = (ROOT / "docs/extending.md").read_text()
-    for code in re.findall(r"<!-- example: \w+ -->\s*```python\n(.*?)```", extending, re.S):
+    for code in re.findall(r"<!-- example: [\w-]+ -->\s*```python\n(.*?)```", extending, re.S):
         module = re.match(r"# (\w+)\.py\n", code)
         if module:
             (tmp_path / f"{module.group(1)}.py").write_text(code)
