@@ -209,21 +209,11 @@ def test_euphonium_normalises_the_gradient_by_the_whole_batch_as_published():
     """Pixel-space tiny model and the mean-pixel reward: g = 1 / (2 n) on each of 2 x n elements. batch (the published
     code): g / ||g|| over the batch = 1 / sqrt(2 n); sample: 1 / sqrt(n); the shift is lambda (sigma - sigma_next)
     times that."""
-    from flowrl.algorithms.euphonium import Euphonium
-    from flowrl.config import load_config
-    from flowrl.models import load_adapter
+    from tests.test_reward_gradient import guided_pixel_step
 
     n = 3 * 32 * 32
     for mode, per_element in (("batch", 1 / (2 * n) ** 0.5), ("sample", 1 / n ** 0.5), ("none", 1 / (2 * n))):
-        cfg = load_config(None, ["algorithm.name=euphonium", "sampler.kernel=dance", "algorithm.guidance_scale=2.0",
-                                 "algorithm.process_reward=tests.helpers:brightness", f"algorithm.normalize_gradient={mode}",
-                                 "model.pretrained=tiny-shapes", "model.resolution=32", "data.prompt_set=shapes-train"])
-        algo = Euphonium(cfg)
-        algo.check_inputs(None)
-        algo.adapter = load_adapter(cfg.model)
-        algo.prompts, algo.metadata = ["a red circle on a blue background"], None
-        x, v = torch.full((2, 3, 32, 32), 0.1), torch.full((2, 3, 32, 32), 0.2)
-        shift, _ = algo.guide(x, v, 0.8, 0.6, torch.tensor([0, 0]))
+        _, shift, _ = guided_pixel_step(f"algorithm.normalize_gradient={mode}")
         assert torch.allclose(shift, torch.full_like(shift, 2.0 * 0.2 * per_element), rtol=1e-5), mode
 
 

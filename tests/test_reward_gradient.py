@@ -110,21 +110,30 @@ def test_guided_step_by_hand():
     assert guided.rounds[1].process_reward.tolist() == [0.0, 1.0] and guided.rounds[2].process_reward.tolist() == [0, 0]
 
 
-def test_euphonium_guidance_by_hand():
-    """Pixel-space model (decode = x / 2 + 1/2) and the mean-pixel reward: g = 1 / (2 n) on every element, so the
-    shift is lambda (sigma - sigma_next) / (2 n)."""
-    from flowrl.algorithms.euphonium import Euphonium, process_advantages
+def guided_pixel_step(*overrides):
+    """Euphonium (lambda 2, the mean-pixel process reward) on the pixel-space tiny model: one guided step of 2
+    latents x = 0.1, v = 0.2 from sigma 0.8 to 0.6. Returns (algorithm, shift, process reward)."""
+    from flowrl.algorithms.euphonium import Euphonium
     from flowrl.config import load_config
     from flowrl.models import load_adapter
 
     cfg = load_config(None, ["algorithm.name=euphonium", "sampler.kernel=dance", "algorithm.guidance_scale=2.0",
-                             "algorithm.process_reward=tests.helpers:brightness", *SHAPES])
+                             "algorithm.process_reward=tests.helpers:brightness", *SHAPES, *overrides])
     algo = Euphonium(cfg)
     algo.check_inputs(None)
     algo.adapter = load_adapter(cfg.model)
     algo.prompts, algo.metadata = ["a red circle on a blue background"], None
     x, v = torch.full((2, 3, 32, 32), 0.1), torch.full((2, 3, 32, 32), 0.2)
     shift, process = algo.guide(x, v, 0.8, 0.6, torch.tensor([0, 0]))
+    return algo, shift, process
+
+
+def test_euphonium_guidance_by_hand():
+    """Pixel-space model (decode = x / 2 + 1/2) and the mean-pixel reward: g = 1 / (2 n) on every element, so the
+    shift is lambda (sigma - sigma_next) / (2 n)."""
+    from flowrl.algorithms.euphonium import process_advantages
+
+    algo, shift, process = guided_pixel_step()
     n = 3 * 32 * 32
     assert torch.allclose(shift, torch.full_like(shift, 2.0 * 0.2 / (2 * n)))
     assert process.tolist() == pytest.approx([(0.1 - 0.8 * 0.2) / 2 + 0.5] * 2)
