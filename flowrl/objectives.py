@@ -1,6 +1,6 @@
 """Training objectives: what an optimizer step minimises, given one iteration's rollout.
 
-An algorithm chooses its objective (:meth:`flowrl.algorithms.FlowGRPO.make_objective`); the trainer's one
+An algorithm chooses its objective (:meth:`flowrl.algorithms.Algorithm.make_objective`); the trainer's one
 optimisation loop (:func:`flowrl.optimise.optimise`) drives it through the small :class:`Objective` protocol:
 
 1. :meth:`~Objective.work_items` turns the iteration into units of gradient work (drawing what it needs);
@@ -67,6 +67,19 @@ class UpdateBatch:
     prompts: list[str] = field(default_factory=list)  # the prompt of each prompt row
     metadata: list[dict] | None = None  # each prompt row's metadata (GenEval's clauses), where the prompts have it
     pairs: list[tuple[int, int]] | None = None  # (chosen, rejected) leaf indices, for preference objectives
+
+
+@dataclass
+class EdgeTerms:
+    """One micro-batch's per-edge terms, all (E,): what a transition objective's :meth:`policy_rows` may read
+    besides the rows' log-ratio and advantage."""
+
+    log_prob: torch.Tensor  # log pi_theta of each edge's sampled transition (with its graph)
+    old_log_prob: torch.Tensor  # the rollout's log-prob of the same transition
+    adv: torch.Tensor  # the edge's advantage (clipped to +-advantage.clip)
+    kl: torch.Tensor  # the KL to the reference transition (0 without a KL)
+    step: torch.Tensor  # the grid index of the edge's parent state
+    divergence: torch.Tensor | None = None  # the KL from the rollout's transition, where the objective asks for it
 
 
 class Objective(Protocol):
@@ -171,12 +184,13 @@ class TransitionObjective:
         rollout's transition need the old mean)."""
         return self.guard or self.divergence_std is not None
 
-    def policy_rows(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def policy_rows(self, log_ratio: torch.Tensor, adv: torch.Tensor, edges: EdgeTerms) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy term per loss row: PPO's clipped surrogate ``max(-A r, -A clip(r))``.
 
         Args:
             log_ratio: (R,) log(pi_theta / pi_old) per row.
             adv: (R,) advantages.
+            edges: the micro-batch's per-edge terms (an objective with per-edge rows, R = E, may read them).
         Returns:
             ``(loss (R,), ratio (R,))``.
         """
@@ -224,13 +238,13 @@ class TransitionObjective:
         cfg = self.cfg
         group = [item for _, item in numbered]
         units = [u for it in group for u in it]
-        logp, old, adv, kl, step, fused = self._edge_terms(units)
+        edges, fused = self._edge_terms(units)
+        logp, old, adv, kl, step = edges.log_prob, edges.old_log_prob, edges.adv, edges.kl, edges.step
         if fused is not None:  # per-edge rows, computed whole by the compiled objective
             loss_r, ratio = fused
         else:
-            self.log_prob = logp  # (E,) for objectives whose rows read the log-prob itself (per-edge rows)
             log_ratio, adv, kl, step = self.algorithm.loss_rows(group, logp, old, adv, kl, step)  # (E,) -> (R,)
-            loss_r, ratio = self.policy_rows(log_ratio, adv)
+            loss_r, ratio = self.policy_rows(log_ratio, adv, edges)
         row_loss = loss_r + cfg.train.kl_beta * kl
         if self.weights is not None:  # (R,) the weight of each row's step
             row_loss = row_loss * to_device(torch.tensor([self.weights[int(i)] for i in step]), row_loss.device)
@@ -330,8 +344,8 @@ class TransitionObjective:
         return v, v_ref
 
     def _edge_terms(self, units: list):
-        """Forward one micro-batch of parent states; returns per-edge (E,) log_prob, old, adv, kl, step index and
-        the fused path's (loss, ratio) or None."""
+        """Forward one micro-batch of parent states; returns the per-edge :class:`EdgeTerms` and the fused path's
+        (loss, ratio) or None."""
         cfg, parts, tree = self.cfg, self.parts, self.batch.tree
         dev = parts.device
         p_rnd = torch.tensor([u.depth for u in units])  # (U,) round and position of each parent state
@@ -360,7 +374,7 @@ class TransitionObjective:
         s_next = tree.sigmas[tree.gather(tree.index, rnd, child)]
         logp = torch.empty(len(child), device=dev)
         kl = torch.zeros(len(child), device=dev)
-        self.divergence = torch.zeros(len(child), device=dev)  # (E,) each edge's KL from its rollout transition
+        divergence = torch.zeros(len(child), device=dev) if self.divergence_std is not None else None
         adv = to_device(adv, dev).clamp(-cfg.advantage.clip, cfg.advantage.clip)
         s_d, s_next_d, old_d = to_device(s, dev), to_device(s_next, dev), to_device(old, dev)
         options = parts.kernel_options
@@ -385,7 +399,7 @@ class TransitionObjective:
             if self.divergence_std is not None:
                 mean_old = tree.gather(tree.mean, rnd[m], child[m]).to(dev)
                 std = out.std if self.divergence_std == "transition" else None
-                self.divergence[md] = losses.transition_divergence(out.mean.detach(), mean_old, std)
+                divergence[md] = losses.transition_divergence(out.mean.detach(), mean_old, std)
             if self.guard:  # the normalised log-ratio, carried as old + (logp - old + bias) * s
                 mean_old = tree.gather(tree.mean, rnd[m], child[m]).to(dev)
                 logp[md] = old_d[md] + guard_log_ratio(out.log_prob, old_d[md], out.mean, mean_old, out.std)
@@ -393,7 +407,7 @@ class TransitionObjective:
                 kl[md] = kl_to_reference(cfg, out, x[pos[md]], v_ref[pos[md]], s_d[md], s_next_d[md], prev[md], lv,
                                          sigma_at_one, options)
         step_index = parent_index[pos_host]
-        return logp, old_d, adv, kl, step_index, loss_and_ratio
+        return EdgeTerms(logp, old_d, adv, kl, step_index, divergence), loss_and_ratio
 
     def _untrained_kl(self, rounds: torch.Tensor, child: torch.Tensor) -> torch.Tensor:
         """Per state (K,): the KL between the trained and the reference policy's full-rank SDE transitions at
@@ -426,13 +440,13 @@ class DivergenceMaskedObjective(TransitionObjective):
         self.fused = None  # the mask needs each edge's divergence: the eager path
         self.dropped, self.first_dropped, self.max_divergence = [], [], 0.0
 
-    def policy_rows(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        loss, ratio, dropped = losses.divergence_masked_loss(log_ratio, adv, self.divergence,
+    def policy_rows(self, log_ratio: torch.Tensor, adv: torch.Tensor, edges: EdgeTerms) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, ratio, dropped = losses.divergence_masked_loss(log_ratio, adv, edges.divergence,
                                                              self.algorithm.opts.divergence_threshold)
         self.dropped.append(dropped.float())
         if self.first:  # the first minibatch: the rollout's own weights, so nothing may be dropped
             self.first_dropped.append(dropped.float())
-        self.max_divergence = max(self.max_divergence, float(self.divergence.max()) if len(self.divergence) else 0.0)
+        self.max_divergence = max(self.max_divergence, float(edges.divergence.max()) if len(edges.divergence) else 0.0)
         return loss, ratio
 
     def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
@@ -464,9 +478,9 @@ class DelightGatedObjective(TransitionObjective):
         self.fused = None
         self.gates: list[torch.Tensor] = []
 
-    def policy_rows(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def policy_rows(self, log_ratio: torch.Tensor, adv: torch.Tensor, edges: EdgeTerms) -> tuple[torch.Tensor, torch.Tensor]:
         o = self.algorithm.opts
-        loss, ratio, gate = losses.delight_gated_loss(log_ratio, self.log_prob, adv, o.eta, o.surprisal_clip,
+        loss, ratio, gate = losses.delight_gated_loss(log_ratio, edges.log_prob, adv, o.eta, o.surprisal_clip,
                                                       o.surprisal)
         self.gates.append(gate)
         return loss, ratio
@@ -742,8 +756,8 @@ class DistillationObjective(TransitionObjective):
         super().__init__(algorithm, parts)
         self.fused = None  # the policy term is scaled: the eager path
 
-    def policy_rows(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        loss, ratio = super().policy_rows(log_ratio, adv)
+    def policy_rows(self, log_ratio: torch.Tensor, adv: torch.Tensor, edges: EdgeTerms) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, ratio = super().policy_rows(log_ratio, adv, edges)
         return self.algorithm.opts.reward_weight * loss, ratio
 
     def velocities(self, x: torch.Tensor, sigma: torch.Tensor, rows: torch.Tensor, with_reference: bool):

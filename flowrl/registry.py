@@ -143,7 +143,7 @@ def algorithm_class(name: str):
 
 
 def register_algorithm(name: str, cls) -> None:
-    """Make ``cls`` (a subclass of :class:`flowrl.algorithms.FlowGRPO` with its own ``Options``) available
+    """Make ``cls`` (a subclass of :class:`flowrl.algorithms.Algorithm`, usually through one of its kinds, with its own ``Options``) available
     as ``algorithm.name: <name>``."""
     ALGORITHMS.register(name, cls)
 

@@ -44,24 +44,22 @@ def slow_brightness(images, prompts, metadata):
 
 # ---------------------------------------------------------------- a user's algorithm, plugged in by name
 
-from flowrl.algorithms import FlowGRPO  # noqa: E402
-from flowrl.algorithms.flow_grpo import FlowGRPOOptions  # noqa: E402
+from flowrl.algorithms import TransitionAlgorithm, TransitionOptions  # noqa: E402
 from flowrl.config import opt  # noqa: E402
 from flowrl.errors import ConfigError  # noqa: E402
 
 
-class EveryOtherStepOptions(FlowGRPOOptions):
+class EveryOtherStepOptions(TransitionOptions):
     stride: int = opt(2, "train every stride-th step", lo=1)
 
 
-class EveryOtherStep(FlowGRPO):
+class EveryOtherStep(TransitionAlgorithm):
     """Flow-GRPO that trains steps 0, stride, 2 stride, ... (``algorithm.name: tests.helpers:EveryOtherStep``)."""
 
     Options = EveryOtherStepOptions
 
     @classmethod
     def check(cls, cfg):
-        super().check(cfg)
         if cfg.algorithm.stride >= cfg.sampler.num_steps:
             raise ConfigError(f"algorithm.stride: {cfg.algorithm.stride} leaves no trained step after step 0")
 

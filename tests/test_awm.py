@@ -43,7 +43,7 @@ def test_the_loss_is_the_advantage_weighted_matching_error():
 def test_stratified_training_sigmas_follow_the_published_draw():
     """The published rule written out (T = 14, K = 6): boundaries linspace(1, 12, 7) -> [1, 2, 4, 6, 8, 10, 12] as
     integers, index = lower + floor(u (upper - lower)); index 1 always, 12 never; ``discrete`` starts at 0."""
-    from flowrl.algorithms.awm import stratified_indices
+    from flowrl.algorithms.forward_process import stratified_indices
 
     gen, ref = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
     seen = set()

@@ -6,7 +6,7 @@ import pytest
 from flowrl.samplers import make_sigmas
 
 from flowrl.algorithms import make_algorithm
-from flowrl.algorithms.tempflow_grpo import TempFlowGRPO
+from flowrl.algorithms.side_branch import SideBranchAlgorithm
 from flowrl.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,7 +23,7 @@ def test_preset_loads_and_names_its_command(path):
                          scheduler_config={"shift": 3.0, "num_train_timesteps": 1000})
     algo = make_algorithm(cfg)
     plan = algo.plan(0, sigmas=sigmas)
-    if isinstance(algo, TempFlowGRPO):  # side-branch trees: group_size branches per active step and seed
+    if isinstance(algo, SideBranchAlgorithm):  # side-branch trees: group_size branches per active step and seed
         active = len(algo.active_steps())
         assert plan.leaves_per_prompt == cfg.algorithm.group_size * cfg.algorithm.seeds * active
     else:  # SuperFlow's plan holds its largest group (each prompt's own size comes from the tracker)

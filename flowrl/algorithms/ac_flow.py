@@ -24,10 +24,10 @@ import base64
 import torch
 
 from ..config import opt
-from .awm import AWM, AWMOptions
+from .forward_process import ForwardProcessAlgorithm, StrataOptions
 
 
-class ACFlowOptions(AWMOptions):
+class ACFlowOptions(StrataOptions):
     tau: float = opt(0.5, "temperature of the weight w = exp(tau A) (ORW-CFM-W2: 0.5)", lo=0.0, lo_open=True)
     adv_clip: float = opt(2.0, "the shaped reward and the critic's advantage are clipped to +-adv_clip", lo=0.0,
                           lo_open=True)
@@ -62,7 +62,7 @@ def critic_weights(adv: torch.Tensor, tau: float) -> torch.Tensor:
     return w / w.mean()
 
 
-class ACFlow(AWM):
+class ACFlow(ForwardProcessAlgorithm):
     Options = ACFlowOptions
 
     def __init__(self, cfg):
@@ -70,6 +70,7 @@ class ACFlow(AWM):
         self.iteration, self.critic, self.critic_optimizer, self.pending_state = 0, None, None, None
 
     def attach(self, policy, ctx) -> None:
+        super().attach(policy, ctx)
         channels = ctx.sample.latent_shape[0]
         self.critic = Critic(channels, self.opts.critic_width).to(policy.adapter.device)
         self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=self.opts.critic_lr)

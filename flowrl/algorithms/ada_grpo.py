@@ -12,7 +12,7 @@ import torch
 from ..config import iteration_seed, opt
 from ..errors import ConfigError
 from ..trackers import CapabilityEMA, adagrpo_advantages
-from .tempflow_grpo import SideOptions, TempFlowGRPO
+from .side_branch import SideBranchAlgorithm, SideOptions
 
 
 class AdaGRPOOptions(SideOptions):
@@ -20,12 +20,11 @@ class AdaGRPOOptions(SideOptions):
     ema_alpha: float = opt(0.8, "EMA of the anchor scores' mean and variance", lo=0.0, hi=1.0)
 
 
-class AdaGRPO(TempFlowGRPO):
+class AdaGRPO(SideBranchAlgorithm):
     Options = AdaGRPOOptions
 
     @classmethod
     def check(cls, cfg) -> None:
-        super().check(cfg)
         if cfg.advantage.combine == "per_reward":
             raise ConfigError("advantage.combine=per_reward: ada_grpo's capability follows the summed reward; "
                               "use advantage.combine=sum")
@@ -59,9 +58,6 @@ class AdaGRPO(TempFlowGRPO):
         out = adagrpo_advantages(torch.where(torch.isfinite(rewards), rewards, torch.nan), self.leaf_groups(tree),
                                  c.mean, c.var ** 0.5, adv.clip, adv.eps)
         return torch.nan_to_num(out, nan=0.0), stats
-
-    def loss_weights(self, tree, masks):
-        return None
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "capability": self.capability.state_dict()}

@@ -17,8 +17,8 @@ from ..advantages import group_advantages
 from ..config import opt
 from ..errors import ConfigError
 from ..samplers import RolloutPlan, StepSpec
-from .base import AlgorithmOptions, WindowOptions, check_steps, check_window, window_start
-from .flow_grpo import FlowGRPO
+from .base import AlgorithmOptions, WindowOptions, check_steps, window_start
+from .transition import TransitionAlgorithm
 
 
 class BranchGRPOOptions(AlgorithmOptions):
@@ -48,7 +48,7 @@ class BranchGRPOOptions(AlgorithmOptions):
     window: WindowOptions = Field(default_factory=WindowOptions)
 
 
-class BranchGRPO(FlowGRPO):
+class BranchGRPO(TransitionAlgorithm):
     Options = BranchGRPOOptions
     advantage_defaults = {"ddof": 1, "eps": 1e-8}  # the released code's torch.std and 1e-8
 
@@ -63,7 +63,6 @@ class BranchGRPO(FlowGRPO):
                               f"for branch_grpo; set algorithm.group_size={leaves} or leave it out")
         if o.window.size and not o.mix:
             raise ConfigError("algorithm.window: branch_grpo uses a window only with algorithm.mix=true")
-        check_window(cfg, required=False)
 
     def plan(self, it: int, rng: random.Random | None = None, sigmas: torch.Tensor | None = None) -> RolloutPlan:
         o, t = self.opts, self.cfg.sampler.num_steps

@@ -13,10 +13,10 @@ from ..config import opt
 from ..errors import ConfigError
 from .base import Unit
 from .dance_grpo import last_step_untrained
-from .flow_grpo import FlowGRPO, FlowGRPOOptions
+from .transition import TransitionAlgorithm, TransitionOptions
 
 
-class ChunkGRPOOptions(FlowGRPOOptions):
+class ChunkGRPOOptions(TransitionOptions):
     timestep_fraction: float = opt(0.5, "fraction of a path's chunks trained each iteration", lo=0.0, hi=1.0,
                                    lo_open=True)
     mode: str = opt("fixed", "fixed sizes (the released code), uniform size, or the v3 paper's adaptive split",
@@ -29,13 +29,12 @@ class ChunkGRPOOptions(FlowGRPOOptions):
     weight_norm: str = opt("l1", "weighted sampling: l1-normalised means or their softmax", choices=["l1", "softmax"])
 
 
-class ChunkGRPO(FlowGRPO):
+class ChunkGRPO(TransitionAlgorithm):
     Options = ChunkGRPOOptions
     per_edge_rows = False  # rows are chunks
 
     @classmethod
     def check(cls, cfg) -> None:
-        super().check(cfg)
         o, t = cfg.algorithm, cfg.sampler.num_steps
         n = o.window.size if o.window.size else sum(last_step_untrained(t))  # trained transitions per path
         if o.mode == "fixed" and (sum(o.sizes) != n or min(o.sizes, default=0) < 1):

@@ -47,6 +47,9 @@ def tdw_weight(k: int, num_steps: int) -> float:
 
 
 class CustomizedGRPO(DanceGRPO):
+    """DanceGRPO's sampling and update with two rewards fused per step: a documented variant of DanceGRPO."""
+
+    variant_of = DanceGRPO
     Options = CustomizedGRPOOptions
 
     @classmethod

@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 
 from ..config import opt
-from .flow_grpo import FlowGRPO, FlowGRPOOptions
+from .transition import TransitionAlgorithm, TransitionOptions
 
 
-class DanceGRPOOptions(FlowGRPOOptions):
+class DanceGRPOOptions(TransitionOptions):
     shared_noise: bool = opt(True, "all G samples of a prompt start from the same noise")
     timestep_selection: str = opt("random", "first: every candidate step; random: per sample path a random "
                                   "int(candidates * timestep_fraction) of them", choices=["first", "random"])
@@ -22,7 +22,7 @@ def last_step_untrained(t: int) -> list[bool]:
     return [i < t - 1 or t == 1 for i in range(t)]
 
 
-class DanceGRPO(FlowGRPO):
+class DanceGRPO(TransitionAlgorithm):
     Options = DanceGRPOOptions
 
     def trained_steps(self, t: int) -> list[bool]:

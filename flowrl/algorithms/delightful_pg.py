@@ -12,10 +12,10 @@ which is this package's reading; ``raw`` uses the log-prob as it is, which turns
 from __future__ import annotations
 
 from ..config import opt
-from .flow_grpo import FlowGRPO, FlowGRPOOptions
+from .transition import TransitionAlgorithm, TransitionOptions
 
 
-class DelightfulPGOptions(FlowGRPOOptions):
+class DelightfulPGOptions(TransitionOptions):
     eta: float = opt(1.0, "the gate's temperature: w = sigmoid(A l / eta) (the paper: 1; its analysis needs > 0.5)",
                      lo=0.0, lo_open=True)
     surprisal_clip: float = opt(10.0, "the surprisal is clipped to [-c, c] (the paper's algorithm: 10)", lo=0.0,
@@ -24,7 +24,7 @@ class DelightfulPGOptions(FlowGRPOOptions):
                          "it is)", choices=["centred", "raw"])
 
 
-class DelightfulPG(FlowGRPO):
+class DelightfulPG(TransitionAlgorithm):
     Options = DelightfulPGOptions
     refuses_grpo_guard = "the Delightful Policy Gradient has no ratio to normalise"
 

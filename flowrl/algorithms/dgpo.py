@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 
 from ..config import opt
+from ..errors import ConfigError
 from .base import GroupOptions
-from .diffusion_nft import DiffusionNFT
+from .forward_process import ForwardProcessAlgorithm
 
 
 class DGPOOptions(GroupOptions):
@@ -39,17 +40,13 @@ class DGPOOptions(GroupOptions):
                               "200; 500 for GenEval)", lo=0)
 
 
-class DGPO(DiffusionNFT):
+class DGPO(ForwardProcessAlgorithm):
     Options = DGPOOptions
     keeps_old_policy = True  # the fast EMA: the denoising ratio's old errors, and the rollouts after the switch
-    refuses_grpo_guard = "dgpo has no transition ratios to normalise"
 
     @classmethod
     def check(cls, cfg) -> None:
-        super().check(cfg)
         if not cfg.train.lora.enabled and cfg.train.kl_beta <= 0:
-            from ..errors import ConfigError
-
             raise ConfigError("train.kl_beta: dgpo compares the policy with the starting weights, which full "
                               "fine-tuning keeps only with a KL; set train.kl_beta > 0 (the code: 0.001-0.02) or "
                               "train.lora.enabled=true")

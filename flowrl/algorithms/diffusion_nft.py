@@ -16,16 +16,11 @@ Values from NVlabs/DiffusionNFT's released code.
 
 from __future__ import annotations
 
-import random
-
 import torch
 
 from ..config import opt
-from ..errors import ConfigError
-from ..objectives import ForwardProcessObjective
-from ..samplers import RolloutPlan, StepSpec
 from .base import GroupOptions
-from .flow_grpo import FlowGRPO
+from .forward_process import ForwardProcessAlgorithm
 
 
 class DiffusionNFTOptions(GroupOptions):
@@ -66,31 +61,9 @@ def old_policy_decay(mode: str, it: int) -> float:
     return 0.0 if it < 75 else min(0.0075 * (it - 75), 0.999)
 
 
-class DiffusionNFT(FlowGRPO):
+class DiffusionNFT(ForwardProcessAlgorithm):
     Options = DiffusionNFTOptions
     keeps_old_policy = True  # rollouts are drawn with the old policy, which follows the trained weights
-    refuses_grpo_guard = "diffusion_nft has no transition ratios to normalise"
-
-    @classmethod
-    def check(cls, cfg) -> None:
-        if cfg.train.kl_untrained_beta > 0:
-            raise ConfigError("train.kl_untrained_beta: diffusion_nft trains on the forward process, where "
-                              "train.kl_beta already compares the velocities at every timestep it draws; set "
-                              "train.kl_untrained_beta=0")
-        if cfg.advantage.zero_variance == "drop_refill":
-            raise ConfigError("advantage.zero_variance=drop_refill: diffusion_nft trains every clean sample (a group "
-                              "of equal rewards has r = 1/2 everywhere); use zero_variance=zero")
-        if cfg.advantage.combine == "per_reward":
-            raise ConfigError("advantage.combine=per_reward: diffusion_nft maps one advantage per sample to an "
-                              "optimality probability; use advantage.combine=sum")
-
-    def plan(self, it: int, rng: random.Random | None = None, sigmas: torch.Tensor | None = None) -> RolloutPlan:
-        """G deterministic samples per prompt: every step ODE, none trained (only the clean leaves are used)."""
-        t = self.cfg.sampler.num_steps
-        return RolloutPlan([StepSpec(sde=False, trained=False) for _ in range(t)], roots_per_prompt=self.opts.group_size)
-
-    def select_edges(self, tree, gen):
-        return [torch.zeros(x.shape[0], dtype=torch.bool) for x in tree.latents]
 
     def training_timesteps(self, n: int, sigmas: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         """(n, k) grid sigmas (the rollout grid without its final 0) at which each sample is re-noised, drawn per
@@ -99,10 +72,6 @@ class DiffusionNFT(FlowGRPO):
         k = min(self.opts.timesteps_per_sample, grid.numel())
         idx = torch.stack([torch.randperm(grid.numel(), generator=gen)[:k] for _ in range(n)])
         return grid[idx]
-
-    def make_objective(self, parts):
-        """Training on the forward process (flowrl/objectives.py), with :meth:`forward_process_loss` per sample."""
-        return ForwardProcessObjective(self, parts)
 
     def forward_process_loss(self, x0, x_t, t, v_theta, v_old, adv) -> torch.Tensor:
         """Per-sample loss (B,) of one re-noised micro-batch (the objective adds the KL term)."""

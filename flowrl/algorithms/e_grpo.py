@@ -13,7 +13,7 @@ from ..config import opt
 from ..errors import ConfigError
 from ..samplers.kernels import flow_grpo_noise_scale
 from .base import check_steps
-from .tempflow_grpo import SideOptions, TempFlowGRPO
+from .side_branch import SideBranchAlgorithm, SideOptions
 
 
 class EGRPOOptions(SideOptions):
@@ -42,7 +42,7 @@ def entropy_merge_lengths(sigmas: torch.Tensor, steps: list[int], noise_level: f
             for i in steps]
 
 
-class EGRPO(TempFlowGRPO):
+class EGRPO(SideBranchAlgorithm):
     Options = EGRPOOptions
 
     @classmethod
@@ -79,6 +79,3 @@ class EGRPO(TempFlowGRPO):
         if len(self.granularities) > 1:  # G2RPO sums the per-granularity advantages of a side branch
             adv = [x * len(self.granularities) for x in adv]
         return adv, keep, stats
-
-    def loss_weights(self, tree, masks):
-        return None

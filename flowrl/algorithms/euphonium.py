@@ -68,6 +68,10 @@ def process_advantages(values: torch.Tensor, groups: torch.Tensor) -> torch.Tens
 
 
 class Euphonium(DanceGRPO):
+    """DanceGRPO with reward-gradient guidance on its last SDE steps and a process advantage: a documented variant
+    of DanceGRPO."""
+
+    variant_of = DanceGRPO
     Options = EuphoniumOptions
 
     @classmethod

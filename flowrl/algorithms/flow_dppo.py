@@ -13,17 +13,17 @@ substitute for sigma = 1, as verl-omni computes it; the official code instead cl
 from __future__ import annotations
 
 from ..config import opt
-from .flow_grpo import FlowGRPO, FlowGRPOOptions
+from .transition import TransitionAlgorithm, TransitionOptions
 
 
-class FlowDPPOOptions(FlowGRPOOptions):
+class FlowDPPOOptions(TransitionOptions):
     divergence_threshold: float = opt(1e-5, "an edge whose transition moved by at least this KL (per element) from "
                                       "the rollout's, in its advantage's direction, is dropped", lo=0.0, lo_open=True)
     divergence_std: str = opt("transition", "the KL's std: the transition's (transition) or 1 (none)",
                               choices=["transition", "none"])
 
 
-class FlowDPPO(FlowGRPO):
+class FlowDPPO(TransitionAlgorithm):
     Options = FlowDPPOOptions
     refuses_grpo_guard = "Flow-DPPO's divergence mask replaces the ratio clip that GRPO-Guard normalises"
 

@@ -9,5 +9,8 @@ from .flow_grpo import FlowGRPO
 
 
 class FlowGRPOFast(FlowGRPO):
+    """Flow-GRPO with a required SDE window: a documented variant of Flow-GRPO."""
+
+    variant_of = FlowGRPO
     Options = WindowedOptions
     window_required = True

@@ -26,10 +26,10 @@ import torch
 
 from ..config import opt
 from ..errors import ConfigError
-from .flow_grpo import FlowGRPO, FlowGRPOOptions
+from .transition import TransitionAlgorithm, TransitionOptions
 
 
-class GARDOOptions(FlowGRPOOptions):
+class GARDOOptions(TransitionOptions):
     diversity: bool = opt(True, "scale the above-mean advantages by the sample's distance to its nearest group "
                           "member (relative to the group's mean distance)")
     diversity_model: str = opt("", "a transformers vision backbone (hub id or local folder, e.g. "
@@ -90,7 +90,7 @@ def kl_gate(main: torch.Tensor, auxiliaries: list[torch.Tensor], fraction: float
     return (u >= 0) & (u > threshold), u
 
 
-class GARDO(FlowGRPO):
+class GARDO(TransitionAlgorithm):
     Options = GARDOOptions
 
     def __init__(self, cfg):
@@ -100,7 +100,6 @@ class GARDO(FlowGRPO):
 
     @classmethod
     def check(cls, cfg) -> None:
-        super().check(cfg)
         if cfg.train.kl_beta <= 0:
             raise ConfigError("train.kl_beta: gardo gates the KL to its reference; set train.kl_beta > 0 (the "
                               "code: 0.04 OCR, 0.07 GenEval)")

@@ -30,4 +30,7 @@ class MixGRPOOptions(WindowedOptions):
 
 
 class MixGRPO(FlowGRPOFast):
+    """Flow-GRPO-Fast with MixGRPO's published window and shared noise: a documented variant of Flow-GRPO-Fast."""
+
+    variant_of = FlowGRPOFast
     Options = MixGRPOOptions

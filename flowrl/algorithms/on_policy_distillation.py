@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from ..config import opt
 from ..errors import ConfigError
-from .flow_grpo import FlowGRPO, FlowGRPOOptions
+from .transition import TransitionAlgorithm, TransitionOptions
 
 
-class OnPolicyDistillationOptions(FlowGRPOOptions):
+class OnPolicyDistillationOptions(TransitionOptions):
     teacher: str = opt("", "the teacher: a flowrl run folder or checkpoint folder of the same model and LoRA layout "
                        "(its weights become the KL reference)")
     teachers: dict[str, str] = opt({}, "one teacher per domain instead: {domain: run or checkpoint folder}; a "
@@ -30,12 +30,11 @@ class OnPolicyDistillationOptions(FlowGRPOOptions):
                                "distillation; the reward is still logged)", lo=0.0)
 
 
-class OnPolicyDistillation(FlowGRPO):
+class OnPolicyDistillation(TransitionAlgorithm):
     Options = OnPolicyDistillationOptions
 
     @classmethod
     def check(cls, cfg) -> None:
-        super().check(cfg)
         if cfg.algorithm.teacher and cfg.algorithm.teachers:
             raise ConfigError("algorithm.teachers: give algorithm.teacher or algorithm.teachers, not both")
         if not cfg.algorithm.teacher and not cfg.algorithm.teachers:

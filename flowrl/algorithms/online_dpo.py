@@ -15,10 +15,10 @@ import torch
 
 from ..config import opt
 from ..errors import ConfigError
-from .awm import AWM, AWMOptions
+from .forward_process import ForwardProcessAlgorithm, StrataOptions
 
 
-class OnlineDPOOptions(AWMOptions):
+class OnlineDPOOptions(StrataOptions):
     dpo_beta: float = opt(100.0, "DPO's inverse temperature on per-element-mean errors (Flow-GRPO's script: 100)",
                       lo=0.0, lo_open=True)
     timesteps_per_sample: int = opt(2, "(sigma, noise) draws per pair", lo=1)
@@ -41,12 +41,11 @@ def preference_pairs(rewards: torch.Tensor, groups: torch.Tensor) -> list[tuple[
     return pairs
 
 
-class OnlineDPO(AWM):
+class OnlineDPO(ForwardProcessAlgorithm):
     Options = OnlineDPOOptions
 
     @classmethod
     def check(cls, cfg) -> None:
-        super().check(cfg)
         if not cfg.train.lora.enabled:
             raise ConfigError("train.lora.enabled: online_dpo compares the policy with the LoRA-disabled model; "
                               "set train.lora.enabled=true")

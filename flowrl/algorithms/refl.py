@@ -25,7 +25,7 @@ import torch
 from ..config import AlgorithmOptions, opt
 from ..errors import ConfigError, RewardError
 from ..samplers import RolloutPlan, StepSpec
-from .flow_grpo import FlowGRPO
+from .base import Algorithm
 
 
 class ReFLOptions(AlgorithmOptions):
@@ -40,7 +40,7 @@ class ReFLOptions(AlgorithmOptions):
     refl_scale: float = opt(1e-3, "refl: the loss's scale (ReFL's grad_scale)", lo=0.0, lo_open=True)
 
 
-class ReFL(FlowGRPO):
+class ReFL(Algorithm):
     Options = ReFLOptions
     refuses_grpo_guard = "refl has no transition ratios to normalise"
 
@@ -57,9 +57,6 @@ class ReFL(FlowGRPO):
         if bad:
             raise RewardError(f"rewards: refl follows the reward's gradient, and {', '.join(bad)} passes none to the "
                               f"images; use clip (preprocess tensor_bilinear) or a function marked differentiable = True")
-
-    def attach(self, policy, ctx) -> None:
-        self.rewards = ctx.rewards
 
     def plan(self, it: int, rng: random.Random | None = None, sigmas: torch.Tensor | None = None) -> RolloutPlan:
         """Every step ODE, none a trained transition (the update re-runs the last K itself)."""

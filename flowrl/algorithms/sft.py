@@ -39,7 +39,11 @@ def keep_indicator(rewards: torch.Tensor, groups: torch.Tensor, keep: str) -> to
 
 
 class SFT(AWM):
+    """AWM with the advantage replaced by a 0 / 1 keep indicator and the plain (uniform) weighting: a documented
+    variant of :class:`~flowrl.algorithms.awm.AWM`."""
+
     Options = SFTOptions
+    variant_of = AWM
 
     def advantages(self, tree, rewards: torch.Tensor, it: int, prompts: list[str] | None = None):
         """The 0 / 1 keep indicator in place of an advantage (so A_hat = indicator / A_max is rescaled below)."""

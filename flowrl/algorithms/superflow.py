@@ -15,7 +15,7 @@ from ..errors import ConfigError
 from ..samplers.kernels import flow_grpo_noise_scale
 from ..trackers import BetaTracker, superflow_advantages, superflow_group_sizes
 from .base import WindowOptions
-from .flow_grpo import FlowGRPO
+from .transition import TransitionAlgorithm
 
 
 class SuperFlowOptions(AlgorithmOptions):
@@ -36,12 +36,11 @@ class SuperFlowOptions(AlgorithmOptions):
                            choices=["sigma_t", "none"])
 
 
-class SuperFlow(FlowGRPO):
+class SuperFlow(TransitionAlgorithm):
     Options = SuperFlowOptions
 
     @classmethod
     def check(cls, cfg) -> None:
-        super().check(cfg)
         o = cfg.algorithm
         if o.min_group > o.max_group:
             raise ConfigError(f"algorithm.min_group ({o.min_group}) must not exceed max_group ({o.max_group})")
