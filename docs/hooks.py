@@ -5,7 +5,8 @@ code. A page writes a marker comment and the hook replaces it:
 - ``<!-- flowrl:algorithm-options NAME -->``: one algorithm's own keys;
 - ``<!-- flowrl:cli-reference -->``: every subcommand and option (``flowrl.cli.cli_reference_markdown``);
 - ``<!-- flowrl:changelog -->``: the repository's CHANGELOG.md;
-- ``<!-- flowrl:presets -->``: the shipped presets with their first description line.
+- ``<!-- flowrl:presets -->``: the shipped presets with their first description line;
+- ``<!-- flowrl:family-matrix -->``: the model families x features, from each adapter's declarations.
 """
 
 from __future__ import annotations
@@ -26,6 +27,47 @@ def presets_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
+def family_matrix_markdown() -> str:
+    """One column per built-in model family, each cell read from its adapter class (or counted from the presets)."""
+    import yaml
+
+    from flowrl.registry import DEFAULT_FAMILY, MODEL_FAMILIES
+
+    names = [n for n in MODEL_FAMILIES.names() if ":" not in n]
+    classes = {n: MODEL_FAMILIES.resolve(n) for n in names}
+    presets = {n: 0 for n in names}
+    for path in (ROOT / "configs").glob("*.yaml"):
+        model = (yaml.safe_load(path.read_text()) or {}).get("model", {})
+        if not str(model.get("pretrained", "tiny")).startswith(("tiny", "random")):
+            family = model.get("family", DEFAULT_FAMILY)
+            presets[family] = presets.get(family, 0) + 1
+
+    def blocks(cls) -> str:
+        import diffusers
+
+        t = getattr(diffusers, cls.transformer_class_name)
+        units = getattr(t, "_repeated_blocks", None) or getattr(t, "_no_split_modules", None) or []
+        return ", ".join(f"`{u}`" for u in units) or "no"
+
+    rows = {
+        "generates": lambda c: "videos" if c.video else "images",
+        "diffusers pipeline (rollout parity and LoRA loading tested against it)": lambda c: f"`{vars(c).get('pipeline_label', c.pipeline_class_name)}`",
+        "transformer": lambda c: f"`{c.transformer_class_name}`",
+        "LoRA (default targets)": lambda c: f"yes ({len(c.lora_targets)} module names)",
+        "full fine-tuning": lambda c: "yes",
+        "FSDP2 / HSDP units": blocks,
+        "context parallelism": lambda c: ("yes (image and text tokens)" if c.context_parallel_splits_text else "yes")
+        if c.context_parallel_plan() else "no (diffusers has no plan)",
+        "`flowrl memory` without a download": lambda c: "<br>".join(f"`{k}`" for k in c.published_architectures) or "no",
+        "shipped full-size presets": None,
+    }
+    out = ["| | " + " | ".join(f"`{n}`" for n in names) + " |", "|---" * (len(names) + 1) + "|"]
+    for label, cell in rows.items():
+        values = [str(presets[n]) if cell is None else cell(classes[n]) for n in names]
+        out.append(f"| {label} | " + " | ".join(values) + " |")
+    return "\n".join(out) + "\n"
+
+
 def fill(name: str, arg: str | None) -> str:
     from flowrl.cli import cli_reference_markdown
     from flowrl.config import reference_markdown
@@ -41,6 +83,8 @@ def fill(name: str, arg: str | None) -> str:
         return text.replace("](docs/", "](")  # its links are relative to the repository, the page's to docs/
     if name == "presets":
         return presets_markdown()
+    if name == "family-matrix":
+        return family_matrix_markdown()
     raise ValueError(f"unknown docs marker flowrl:{name}")
 
 

@@ -57,10 +57,10 @@ class TransformerClock:
             phase = self.trainer.meter.current
             self.forward_by_phase[phase] = self.forward_by_phase.get(phase, 0.0) + seconds
 
-        # every transformer an iteration calls: the trained one, full fine-tuning's frozen KL reference, and Wan
-        # 2.2's frozen expert that draws the steps on the other side of the boundary (their time is transformer
-        # time too, not engine overhead)
-        others = [self.trainer.policy.frozen, getattr(self.trainer.adapter, "frozen_expert", None)]
+        # every transformer an iteration calls: the trained one, full fine-tuning's frozen KL reference, and the
+        # family's other transformers (a frozen expert that draws the steps on the other side of a boundary): their
+        # time is transformer time too, not engine overhead
+        others = [self.trainer.policy.frozen, *self.trainer.adapter.extra_transformers()]
         modules = [module] + [m for m in others if m is not None]
         self._handles = [h for m in modules for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
         accelerator = self.trainer.accelerator

@@ -12,12 +12,43 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import torch
+import torch.nn.functional as F
 
 from . import report
 from .checkpoint import load_full_into, load_lora_into, save_checkpoint
 from .errors import ConfigError, FlowRLError
+from .guard import diversity, flat, image_drift, periodic_artifact_score, pixel_embeddings, violations
+
+
+def save_named_weights(trainer, name: str, it: int, extra: dict) -> None:
+    """The policy's current (EMA where enabled) weights in checkpoints/<name>, written by every process's shards when
+    sharded, else by the main process; ``extra`` goes into the checkpoint's metadata."""
+    p, folder = trainer.policy, trainer.run_dir / "checkpoints" / name
+    if p.sharded:
+        from .sharded_checkpoint import save_sharded_checkpoint
+
+        with p.ema_weights():
+            save_sharded_checkpoint(folder, p, trainer.adapter, trainer.procs, it, extra=extra)
+    elif trainer.procs.is_main:
+        with p.ema_weights():
+            save_checkpoint(folder, trainer.adapter, p.module, p.optimizer, it, lora=p.lora, extra=extra,
+                            keep=trainer.cfg.log.keep_checkpoints)
+
+
+def load_named_weights(trainer, folder) -> None:
+    """Weights saved by :func:`save_named_weights` become the policy's (the EMA reset to them), on every process."""
+    trainer.procs.barrier()  # the main process has written the folder
+    policy = trainer.policy
+    if policy.sharded:
+        from .sharded_checkpoint import load_sharded_weights
+
+        load_sharded_weights(policy.module, folder)
+    else:
+        (load_lora_into if policy.lora else load_full_into)(policy.module, folder, trainer.cfg)
+    policy.reset_ema()
 
 
 class Callback:
@@ -166,17 +197,8 @@ class HeldOutMonitor(Callback):
                               f"{self.metric!r}; use one of {numbers}")
         if self.best is None or value > self.best["value"]:
             self.best = {"iteration": done, "metric": self.metric, "value": value, "since": 0}
-            p = trainer.policy
-            if log.keep_best and p.sharded:  # every process writes its shards
-                from .sharded_checkpoint import save_sharded_checkpoint
-
-                with p.ema_weights():
-                    save_sharded_checkpoint(trainer.run_dir / "checkpoints" / "best", p, trainer.adapter, trainer.procs,
-                                            done - 1, extra={"best": self.best})
-            elif log.keep_best and trainer.procs.is_main:  # the weights just evaluated (EMA where enabled)
-                with p.ema_weights():
-                    save_checkpoint(trainer.run_dir / "checkpoints" / "best", trainer.adapter, p.module, p.optimizer,
-                                    done - 1, lora=p.lora, extra={"best": self.best}, keep=log.keep_checkpoints)
+            if log.keep_best:  # the weights just evaluated (EMA where enabled)
+                save_named_weights(trainer, "best", done - 1, {"best": self.best})
         else:
             self.best["since"] += 1
         best = self.best
@@ -206,14 +228,7 @@ class HeldOutMonitor(Callback):
         last = report.read_metrics(trainer.folder.curve)[-1]
         if last["iteration"] == best["iteration"] or last[best["metric"]] >= best["value"]:
             return  # a last point that ties the best keeps the trained weights: the earlier ones do not beat it
-        policy = trainer.policy
-        if policy.sharded:
-            from .sharded_checkpoint import load_sharded_weights
-
-            load_sharded_weights(policy.module, ckpt)
-        else:
-            (load_lora_into if policy.lora else load_full_into)(policy.module, ckpt, trainer.cfg)
-        policy.reset_ema()
+        load_named_weights(trainer, ckpt)
         best["ended_with"] = True  # `--checkpoint RUN_DIR` (sample, eval, export) then means these weights
         self._write_best(trainer)
         if trainer.procs.is_main:
@@ -222,9 +237,122 @@ class HeldOutMonitor(Callback):
                   f"are in {ckpt}", file=sys.stderr)
 
 
+class RewardHackingGuard(Callback):
+    """``guard.*``: the start's measurement in guard.json (a resumed run keeps it), a check every ``guard.every``
+    iterations (its numbers added to the metrics row), and the trigger's action. Runs before the metrics are written.
+    Every process samples its share; the main process measures, and its verdict decides everywhere."""
+
+    def __init__(self, cfg):
+        self.g = cfg.guard
+        self.start: dict | None = None
+        self.embedder = None
+        self.watched = None
+        self.state: dict = {}
+
+    # ---------------------------------------------------------------- hooks
+    def on_train_begin(self, trainer):
+        if trainer.cfg.train.iterations < self.g.every:  # no check would come: nothing to measure
+            return
+        path = trainer.run_dir / "guard.json"
+        self.state = json.loads(path.read_text()) if path.is_file() else {}
+        self.start = self.state.get("start")
+        if self.start is None:
+            self.start = self.measure(trainer)
+            self.state = {"start": self.start, "checks": [], "ok_iteration": 0}
+            if self.g.on_trigger == "restore_best":
+                save_named_weights(trainer, "guard_ok", 0, {"guard_ok": 0})
+            self._write(trainer)
+
+    def on_iteration_end(self, trainer, it, row):
+        if self.start is None or (it + 1) % self.g.every:
+            return None
+        t0 = time.perf_counter()
+        now = self.measure(trainer)
+        problems = violations(now, self.start, self.g)
+        row.update(flat(now))
+        row["guard/triggered"] = len(problems)
+        row["guard/seconds"] = time.perf_counter() - t0
+        self.state.setdefault("checks", []).append({"iteration": it + 1, "problems": problems})
+        if not problems:
+            self.state["ok_iteration"] = it + 1
+            if self.g.on_trigger == "restore_best":
+                save_named_weights(trainer, "guard_ok", it, {"guard_ok": it + 1})
+            self._write(trainer)
+            return None
+        self._write(trainer)
+        message = f"reward-hacking guard at iteration {it + 1}: {'; '.join(problems)}"
+        if self.g.on_trigger == "warn":
+            if trainer.procs.is_main:
+                print(message + " (guard.on_trigger=warn: the run goes on)", file=sys.stderr)
+            return None
+        if self.g.on_trigger == "restore_best":
+            ok = self.state.get("ok_iteration", 0)
+            load_named_weights(trainer, trainer.run_dir / "checkpoints" / "guard_ok")
+            self.state["restored"] = ok
+            self._write(trainer)
+            return f"{message}; the run ends with the weights of iteration {ok}, the last check at which every signal held"
+        return message
+
+    # ---------------------------------------------------------------- the measurement
+    def prompts(self, trainer) -> list[str]:
+        if self.g.prompts:
+            return list(self.g.prompts)
+        if self.g.prompt_set:
+            from .prompts import prompt_set
+
+            return prompt_set(self.g.prompt_set)[: self.g.num_prompts]
+        return trainer.prompts.prompts[: self.g.num_prompts]
+
+    def measure(self, trainer) -> dict:
+        """Every signal on the guard's samples of the current (EMA) weights."""
+        prompts, seeds = self.prompts(trainer), list(self.g.seeds)
+        with trainer.policy.ema_weights():
+            images = trainer.eval_sampler(prompts, seeds)  # (P * S, 3, H, W) or (P * S, F, 3, H, W), prompt-major
+        result = None
+        if trainer.procs.is_main:
+            period = trainer.adapter.patch_pixels(trainer.cfg.model.resolution)
+            result = {"period": period, "artifacts": periodic_artifact_score(images, period),
+                      "diversity": diversity(self.embed(images), len(prompts)), **image_drift(images),
+                      "watched": self.score_watched(images, prompts, seeds)}
+        return trainer.procs.broadcast(result)
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        if not self.g.diversity_embedder:
+            return pixel_embeddings(images)
+        if self.embedder is None:
+            from .rewards.embedding import ImageEmbedder
+
+            self.embedder = ImageEmbedder(self.g.diversity_embedder)
+        return F.normalize(self.embedder(images), dim=-1)
+
+    def score_watched(self, images, prompts: list[str], seeds: list[int]) -> dict[str, tuple[float, float]]:
+        if not self.g.watched:
+            return {}
+        if self.watched is None:
+            from .rewards import build_reward_set
+
+            self.watched = build_reward_set(self.g.watched)
+        per_image = [p for p in prompts for _ in seeds]
+        scores = self.watched(images, per_image, [{} for _ in per_image])
+        out = {}
+        for name, values in scores.components.items():
+            v = values[torch.isfinite(values)].double()
+            out[name] = (float(v.mean()) if len(v) else float("nan"), float(v.std(correction=0)) if len(v) > 1 else 0.0)
+        return out
+
+    def _write(self, trainer) -> None:
+        if trainer.procs.is_main:
+            report.atomic_write_bytes(trainer.run_dir / "guard.json", json.dumps(self.state, indent=1).encode())
+
+    def on_train_end(self, trainer):
+        if self.start is not None and trainer.procs.is_main:
+            report.plot_guard(trainer.run_dir, self.g.model_dump())
+
+
 def built_in_callbacks(cfg, evaluator) -> list[Callback]:
-    """The callbacks every run has, in order: metrics rows, the held-out evaluation (when ``evaluator``), the
-    reward curve, trackers (``log.trackers``) and the no-signal stop (``log.stop_without_signal``)."""
-    return ([MetricsWriter()] + ([HeldOutMonitor(evaluator, cfg)] if evaluator is not None else [])
+    """The callbacks every run has, in order: the reward-hacking guard (``guard.enabled``: it adds its numbers to the
+    row, so it runs first), metrics rows, the held-out evaluation (when ``evaluator``), the reward curve, trackers
+    (``log.trackers``) and the no-signal stop (``log.stop_without_signal``)."""
+    return ([RewardHackingGuard(cfg)] if cfg.guard.enabled else []) + ([MetricsWriter()] + ([HeldOutMonitor(evaluator, cfg)] if evaluator is not None else [])
             + [RewardCurvePlot()] + ([TrackerLog()] if cfg.log.trackers else [])
             + ([NoSignalStop(cfg.log.stop_without_signal)] if cfg.log.stop_without_signal else []))

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationErr
 
 from .attention import ATTENTION_BACKENDS
 from .errors import ConfigError
+from .registry import DEFAULT_FAMILY
 
 
 SEED_MAX = 2 ** 32 - 1  # train.seed: (seed, iteration) seeds a generator as seed * 1000003 + iteration, within 64 bits
@@ -116,7 +117,7 @@ class TinyModelConfig(Section):
 
 
 class ModelConfig(Section):
-    family: str = opt("sd3", "model family: sd3 (SD3 / SD3.5), flux (FLUX.1 dev / schnell), flux2 (FLUX.2 dev / "
+    family: str = opt(DEFAULT_FAMILY, "model family: sd3 (SD3 / SD3.5), flux (FLUX.1 dev / schnell), flux2 (FLUX.2 dev / "
                       "klein), qwenimage (Qwen-Image), wan (Wan 2.1 / 2.2 text-to-video), a family registered with "
                       "flowrl.registry.register_model_family, or module:Class of a plug-in adapter")
     num_frames: int = opt(17, "video frames (wan): 4k + 1 for Wan's 4x temporal compression", lo=1)
@@ -379,6 +380,33 @@ class LogConfig(Section):
         return value
 
 
+class GuardConfig(Section):
+    """The reward-hacking guard (flowrl/guard.py): held-out samples every ``every`` iterations, measured against the
+    run's start."""
+
+    enabled: bool = opt(True, "watch for reward hacking every guard.every iterations (a run with fewer iterations "
+                        "has no check and measures nothing)")
+    every: int = opt(25, "iterations between checks", lo=1)
+    prompts: list[str] = opt([], "the guard's held-out prompts (empty: the first guard.num_prompts of guard.prompt_set, "
+                             "else of the training prompts)")
+    prompt_set: str = opt("", "a registered prompt set the guard's prompts come from (e.g. shapes-heldout)")
+    num_prompts: int = opt(4, "prompts taken from guard.prompt_set or the training prompts", lo=1)
+    seeds: list[int] = opt([0, 1, 2, 3], "seeds per prompt (diversity compares one prompt's samples)")
+    watched: list[RewardSpec] = opt([], "rewards the run does not train on, each watched against its starting value "
+                                    "(a PickScore run: hpsv2, imagereward, aesthetic, clip)")
+    watched_tolerance: float = opt(1.0, "a watched reward may fall this many of its starting standard deviations "
+                                   "(over the guard's samples)", lo=0.0, lo_open=True)
+    diversity_embedder: str = opt("", "a vision backbone for diversity (a folder or hub id of a transformers image "
+                                  "model, as GARDO's); empty: the images downsampled to 32 x 32")
+    diversity_drop: float = opt(0.5, "diversity may fall to (1 - this) of its start", lo=0.0, hi=1.0)
+    artifact_rise: float = opt(0.5, "the periodic-artifact score (log power ratio at the patch period) may rise this "
+                               "much", lo=0.0, lo_open=True)
+    drift: float = opt(0.15, "mean brightness, saturation and the dark / blown-out fractions may move this much "
+                       "(absolute, on a 0..1 scale)", lo=0.0, lo_open=True)
+    on_trigger: str = opt("warn", "warn (one line, the run goes on), stop, or restore_best (stop with the weights of "
+                          "the last check at which every signal held)", choices=["warn", "stop", "restore_best"])
+
+
 class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
@@ -388,6 +416,7 @@ class Config(Section):
     rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec()])
     data: DataConfig = Field(default_factory=DataConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
     resume: Optional[str] = opt(None, "'latest' or a checkpoint folder to resume from")
     device: str = opt("auto", "where to train: auto (cuda when available)", choices=["auto", "cpu", "cuda"])
 
@@ -702,15 +731,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}: list at least one seed, e.g. [0, 1, 2, 3]")
         check_seeds(seeds, key)
     m = cfg.model
-    tiny = m.pretrained in (None, "", "tiny")
-    from .registry import MODEL_NAMES
+    from .registry import MODEL_NAMES, adapter_class
 
-    if m.pretrained in MODEL_NAMES:  # an embedded model: its adapter checks its exact geometry at load
-        factor = 1
-    elif m.family in ("flux", "flux2", "qwenimage", "wan"):  # VAE (tiny: 2, real: 8) x 2x2 packing / patches
-        factor = 4 if tiny else 16
-    else:
-        factor = m.tiny.patch_size * (2 if m.tiny.vae else 1) if tiny else 16  # SD3: VAE 8 x patch 2
+    # an embedded model's adapter checks its exact geometry at load; otherwise the family's own rule
+    factor = 1 if m.pretrained in MODEL_NAMES else adapter_class(m.family).resolution_multiple(m)
     if m.resolution % factor:
         lo = m.resolution - m.resolution % factor
         raise ConfigError(f"model.resolution: {m.resolution} px is not a multiple of {factor} (the latent patch "

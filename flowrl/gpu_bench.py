@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .memory import FLUX1_DEV, FLUX2_KLEIN_4B, QWEN_IMAGE, SD35_MEDIUM, WAN21_1_3B, WAN21_14B  # published configs
+from .models.published import FLUX1_DEV, FLUX2_KLEIN_4B, QWEN_IMAGE, SD35_MEDIUM, WAN21_1_3B, WAN21_14B  # published configs
 from .errors import ConfigError
 from .models.common import PromptEmbeds
 from .sampling import peak_memory_mb, synchronize

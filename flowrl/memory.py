@@ -8,7 +8,8 @@
 - Activations of the update are *measured*, not modelled: a narrow replica of the transformer (the same class with
   one or two of each repeated block and a few attention heads, at the config's real token counts) runs a forward
   with gradients, the bytes autograd saves are counted, and the per-block share is scaled by the width ratio, the
-  number of blocks, the micro-batch (doubled by CFG in the training forward) and bf16 autocast (x 0.5). The
+  number of blocks, the micro-batch (doubled by CFG where its unconditional half keeps a graph,
+  ``train.cfg_unconditional_grad``) and bf16 autocast (x 0.5). The
   printed assumptions say exactly this; gradient checkpointing keeps one block's activations plus every block's
   input.
 """
@@ -26,21 +27,6 @@ from .errors import ConfigError
 
 GIB = 2 ** 30
 
-from .models.published import (FLUX1_DEV, FLUX2_KLEIN_4B, QWEN_IMAGE, SD35_MEDIUM,  # noqa: F401 (re-exported)
-                               WAN21_1_3B, WAN21_14B)
-
-ARCHITECTURES = {
-    "stabilityai/stable-diffusion-3.5-medium": ("SD3Transformer2DModel", SD35_MEDIUM, 1),
-    "black-forest-labs/FLUX.1-dev": ("FluxTransformer2DModel", FLUX1_DEV, 1),
-    "black-forest-labs/FLUX.1-schnell": ("FluxTransformer2DModel", dict(FLUX1_DEV, guidance_embeds=False), 1),
-    "Qwen/Qwen-Image": ("QwenImageTransformer2DModel", QWEN_IMAGE, 1),
-    "black-forest-labs/FLUX.2-klein-4B": ("Flux2Transformer2DModel", FLUX2_KLEIN_4B, 1),
-    "black-forest-labs/FLUX.2-klein-base-4B": ("Flux2Transformer2DModel", FLUX2_KLEIN_4B, 1),
-    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("WanTransformer3DModel", WAN21_1_3B, 1),
-    "Wan-AI/Wan2.1-T2V-14B-Diffusers": ("WanTransformer3DModel", WAN21_14B, 1),
-    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": ("WanTransformer3DModel", WAN21_14B, 2),  # two experts of 14B
-    "random-sd3.5-medium": ("SD3Transformer2DModel", SD35_MEDIUM, 1),  # the published architecture, random weights
-}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -48,33 +34,36 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 class Architecture:
     class_name: str
     config: dict
-    experts: int  # Wan 2.2: two transformers of this architecture (one trained, one frozen)
+    experts: int  # transformers of this architecture the model holds (two: one trained, one frozen)
 
 
 def architecture(model_cfg) -> Architecture:
-    """The transformer's class and config for ``model``: a shipped preset, a local diffusers folder, or tiny."""
+    """The transformer's class and config for ``model``: a checkpoint its family declares
+    (``published_architectures``), a local diffusers folder, or the tiny and embedded models (built)."""
     from .registry import MODEL_NAMES, adapter_class
 
+    family = adapter_class(model_cfg.family)
     name = model_cfg.pretrained
-    if name in (None, "", "tiny") or name.startswith("tiny") or (name in MODEL_NAMES and name not in ARCHITECTURES):
+    source = family.presets.get(name, name) if name else name
+    published = family.published_architectures
+    if name in (None, "", "tiny") or name.startswith("tiny") or (name in MODEL_NAMES and source not in published):
         from .models import load_adapter
 
         adapter = load_adapter(model_cfg)
-        second = getattr(adapter, "frozen_expert", None)
         return Architecture(type(adapter.transformer).__name__, dict(adapter.transformer.config),
-                            2 if second is not None else 1)
-    source = adapter_class(model_cfg.family).presets.get(name, name)
-    if source in ARCHITECTURES:
-        cls, config, experts = ARCHITECTURES[source]
-        return Architecture(cls, dict(config), experts)
+                            1 + len(adapter.extra_transformers()))
+    if source in published:
+        config, experts = published[source]
+        return Architecture(family.transformer_class_name, dict(config), experts)
     folder = Path(source) / "transformer"
     if (folder / "config.json").is_file():
         config = json.loads((folder / "config.json").read_text())
         experts = 2 if (Path(source) / "transformer_2" / "config.json").is_file() else 1
         return Architecture(config["_class_name"], {k: v for k, v in config.items() if not k.startswith("_")}, experts)
-    known = ", ".join(sorted(ARCHITECTURES))
+    known = ", ".join(sorted(published)) or "none"
     raise ConfigError(f"model.pretrained: no architecture config for {source!r} on this machine; give a local diffusers "
-                      f"folder (its transformer/config.json is read) or one of {known}")
+                      f"folder (its transformer/config.json is read) or a checkpoint model.family={model_cfg.family} "
+                      f"declares ({known})")
 
 
 def build_on_meta(arch: Architecture, **changes):
@@ -170,29 +159,16 @@ def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
     cls = getattr(diffusers, arch.class_name)
     adapter_cls = adapter_class(cfg.model.family)
     shell = adapter_cls.bare(None, torch.float32, "cpu")  # the family's own transformer call, without a pipeline
-    res = cfg.model.resolution
-    channels = c.get("in_channels", 16)
-    if cfg.model.family == "flux":  # FLUX.1's engine latents stay unpacked: the adapter packs 2x2 patches
-        channels //= 4
-    if cfg.model.family == "qwenimage":
-        channels = c.get("out_channels", 16)
     tiny = cfg.model.pretrained in (None, "", "tiny") or str(cfg.model.pretrained).startswith("tiny")
-    factor = 1 if tiny else 8  # the VAE's downsampling (the tiny models' own latents are measured as built)
-    if cfg.model.family == "flux2" and not tiny:
-        factor = 16  # FLUX.2's engine latents are already patchified 2x2: (4C, H / 16, W / 16)
-    if cfg.model.family == "wan":
-        frames = (cfg.model.num_frames - 1) // 4 + 1
-        shape = (channels, frames, res // factor, res // factor)
-    else:
-        shape = (channels, res // factor, res // factor)
-    text_tokens = cfg.model.max_sequence_length + (77 if cfg.model.family == "sd3" else 0)
+    shape = adapter_cls.memory_latent_shape(cfg.model, c)  # a real checkpoint's (the tiny ones are measured below)
+    text_tokens = adapter_cls.memory_text_tokens(cfg.model)
     text_dim = c.get("joint_attention_dim") or c.get("text_dim") or 4096
     pooled = c.get("pooled_projection_dim") or 0
     if tiny:
         from .models import load_adapter
 
         real = load_adapter(cfg.model)
-        shape, cond = real.latent_shape(res), real.encode_prompts(["a"])
+        shape, cond = real.latent_shape(cfg.model.resolution), real.encode_prompts(["a"])
         text_tokens, text_dim, pooled = cond.embeds.shape[1], cond.embeds.shape[2], cond.pooled.shape[-1]
 
     def velocity(model):
@@ -213,7 +189,9 @@ def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
     rest = base - sum(per_block.values())
     scale = heads_full / heads
     t = cfg.train
-    cfg_double = 2 if (t.cfg and cfg.sampler.guidance_scale > 1 and cfg.model.family in ("sd3", "qwenimage", "wan")) else 1
+    # CFG doubles the training forward's rows; only the conditional half keeps a graph unless the unconditional one
+    # is trained too (train.cfg_unconditional_grad)
+    cfg_double = 2 if t.cfg and cfg.sampler.guidance_scale > 1 and t.cfg_unconditional_grad else 1
     rows = (1 if t.micro_batch == "auto" else t.micro_batch) * cfg_double
     precision = 0.5 if t.mixed_precision in ("bf16", "fp16") else 1.0
     if t.gradient_checkpointing:
@@ -226,7 +204,7 @@ def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
     notes = [f"activations measured on a replica with {heads} of {heads_full} attention heads and one or two of each "
              f"block ({', '.join(f'{k}={v}' for k, v in counts.items())} in the model), scaled x{scale:g} by width, "
              f"by the block counts, x{rows} inputs per forward (train.micro_batch={t.micro_batch}"
-             f"{', doubled by CFG' if cfg_double == 2 else ''}) and x{precision:g} for "
+             f"{', doubled by CFG with a graph on both halves' if cfg_double == 2 else ''}) and x{precision:g} for "
              f"{t.mixed_precision if precision < 1 else 'fp32'}",
              "gradient checkpointing: one block's activations plus every block's input" if t.gradient_checkpointing
              else "no gradient checkpointing: every block's activations are kept to the backward"]

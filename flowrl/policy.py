@@ -100,7 +100,7 @@ class Policy:
 
             if not self.sharded:  # sharded, the weights reach the device with their shards
                 transformer.to(device)
-            others = [m for m in (self.frozen, getattr(adapter, "frozen_expert", None)) if m is not None]
+            others = [m for m in (self.frozen, *adapter.extra_transformers()) if m is not None]
             enable_context_parallel([transformer, *others], cfg, adapter, self.accelerator.num_processes)
         if self.sharded:
             self._shard(cfg, adapter, device, procs)

@@ -98,6 +98,7 @@ ALGORITHMS = Registry("algorithm.name", {
     ]
 }, group="flowrl_algorithms")
 # model families (model.family): a ModelAdapter class with from_config(model_cfg, device)
+DEFAULT_FAMILY = "sd3"
 MODEL_FAMILIES = Registry("model.family", {
     "sd3": "flowrl.models.sd3:SD3Adapter", "flux": "flowrl.models.flux:FluxAdapter",
     "flux2": "flowrl.models.flux2:Flux2Adapter", "qwenimage": "flowrl.models.qwenimage:QwenImageAdapter",

@@ -235,36 +235,33 @@ class CallLedger:
 
 def pad_call(adapter, latent_shape: tuple[int, ...], cond):
     """A zero-weight call of the trained transformer: the velocity of one zero latent for ``cond``'s first row, at a
-    sigma the trained transformer draws (Wan 2.2 routes sigmas to its two experts)."""
+    sigma the trained transformer draws (``adapter.pad_sigma()``: a family with several experts routes sigmas)."""
     row = torch.zeros(1, dtype=torch.long, device=cond.embeds.device)
     x = torch.zeros(1, *latent_shape, device=adapter.device)
-    boundary = getattr(adapter, "boundary", None)
-    sigma = 0.5
-    if boundary is not None:  # a sigma on the trained expert's side of the boundary
-        sigma = min(1.0, boundary / 1000 + 0.05) if adapter.train_expert == "high_noise" else boundary / 2000
+    sigma = adapter.pad_sigma()
     return lambda: adapter.velocity(x, torch.full((1,), sigma, device=adapter.device), cond.index(row))
 
 
 # ------------------------------------------------------------------------------------------ context parallelism
-# The diffusers transformer class of each family: its ``_cp_plan`` says how diffusers splits the sequence.
-TRANSFORMER_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel",
-                       "flux2": "Flux2Transformer2DModel", "qwenimage": "QwenImageTransformer2DModel",
-                       "wan": "WanTransformer3DModel"}
-SPLITS_TEXT = ("flux", "flux2", "qwenimage")  # families whose plan splits the text tokens too
+def families_with_context_parallel() -> list[str]:
+    """The registered model families whose transformer has a context-parallel plan (each adapter says)."""
+    from .registry import MODEL_FAMILIES
+
+    return [name for name in MODEL_FAMILIES.names() if MODEL_FAMILIES.resolve(name).context_parallel_plan()]
 
 
 def check_context(cfg, processes: int) -> None:
-    """``train.context_parallel``, before a model loads: a family with a plan, a degree that divides the launch."""
-    import diffusers
+    """``train.context_parallel``, before a model loads: a family with a plan (its adapter's
+    ``context_parallel_plan``), a degree that divides the launch."""
+    from .registry import adapter_class
 
     cp = cfg.train.context_parallel
     if cp.degree == 1:
         return
-    cls = TRANSFORMER_CLASSES.get(cfg.model.family)
-    if cls is None or not getattr(getattr(diffusers, cls), "_cp_plan", None):
-        raise ConfigError(f"train.context_parallel: diffusers has no context-parallel plan for the {cfg.model.family} "
-                          f"transformer; use FLUX.1, FLUX.2, Qwen-Image or Wan, or set train.context_parallel.ulysses=1 "
-                          f"and ring=1")
+    if not adapter_class(cfg.model.family).context_parallel_plan():
+        raise ConfigError(f"train.context_parallel: the {cfg.model.family} family's transformer has no context-parallel "
+                          f"plan; use one of {', '.join(families_with_context_parallel())}, or set "
+                          f"train.context_parallel.ulysses=1 and ring=1")
     if processes % cp.degree:
         raise ConfigError(f"train.context_parallel: ulysses x ring = {cp.degree} does not divide the {processes} "
                           f"processes of this launch; launch a multiple of {cp.degree}")
@@ -299,7 +296,7 @@ def enable_context_parallel(modules: list[torch.nn.Module], cfg, adapter, proces
         raise ConfigError(f"train.context_parallel.ulysses={cp.ulysses}: the transformer's {heads} attention heads do "
                           f"not split evenly; use a divisor of {heads}")
     tokens = adapter.image_seq_len(cfg.model.resolution)
-    text = adapter.encode_prompts(["a"]).embeds.shape[1] if cfg.model.family in SPLITS_TEXT else 0
+    text = adapter.encode_prompts(["a"]).embeds.shape[1] if type(adapter).context_parallel_splits_text else 0
     for what, n in (("image tokens", tokens), ("text tokens", text)):
         if n % cp.degree:
             raise ConfigError(f"train.context_parallel: {n} {what} per sample do not split into {cp.degree} equal "

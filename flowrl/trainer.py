@@ -95,7 +95,7 @@ class Trainer:
                                     RolloutOptions.from_config(cfg, options, self.objective.needs_sampling_mean),
                                     self.sigmas, self.latent_shape, self.negative)
         # model FLOPs per phase, each input shape counted once (flowrl/throughput.py): every transformer that runs
-        self.meter = FlopMeter([self.adapter.transformer, getattr(self.adapter, "frozen_expert", None),
+        self.meter = FlopMeter([self.adapter.transformer, *self.adapter.extra_transformers(),
                                 self.policy.frozen])
         self.peak_tflops = device_peak_tflops(self.device, cfg.train.peak_tflops)
         if resume_ckpt is not None:

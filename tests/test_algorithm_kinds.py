@@ -124,3 +124,15 @@ def test_every_abstract_hook_is_defined_by_every_registered_algorithm():
             assert getattr(cls, hook) is not getattr(Algorithm, hook), f"{name} lacks {hook}"
         if issubclass(cls, ForwardProcessAlgorithm) and cls.make_objective is ForwardProcessAlgorithm.make_objective:
             assert cls.forward_process_loss is not ForwardProcessAlgorithm.forward_process_loss, name
+
+
+def test_every_algorithm_page_links_its_paper_and_code_and_lists_where_ours_differs():
+    pages = ROOT / "docs/algorithms"
+    for name in registered().values():
+        page = pages / f"{name.replace('_', '-')}.md"
+        if not page.exists():  # a variant documented on its parent's page (Flow-GRPO-Fast on Flow-GRPO's)
+            page = pages / f"{name.replace('_', '-').removesuffix('-fast')}.md"
+        text = page.read_text()
+        section = text.split("## Paper and code", 1)[-1].split("\n## ", 1)[0]
+        assert "## Paper and code" in text and "Paper:" in section and "Reference code:" in section, name
+        assert "Where ours differs:" in section and "\n- " in section, name

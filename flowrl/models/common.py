@@ -83,6 +83,56 @@ class PipelineAdapter:
     text_encoder_names: tuple[str, ...] = ()
     variable_length = False  # prompts encode to different token counts (padded, with a mask)
 
+    # ---------------------------------------------------------------- the family's facts, asked by core modules
+    # (configuration checks, ``flowrl memory``, context parallelism, sharding, throughput): no core module names a
+    # family, so a plug-in family declares its own here and gets its own answers
+    transformer_class_name = ""  # the diffusers transformer class: its context-parallel plan, the memory replica
+    # checkpoint id -> (its published transformer/config.json, transformers of that architecture it holds), so that
+    # ``flowrl memory`` needs no download
+    published_architectures: dict[str, tuple[dict, int]] = {}
+    context_parallel_splits_text = False  # the context-parallel plan splits the text tokens as well as the image's
+    video = False  # latents carry a frame axis (C, F, H, W)
+
+    @classmethod
+    def resolution_multiple(cls, model_cfg) -> int:
+        """``model.resolution`` must be a multiple of this: the pixels per latent patch (VAE downsampling x the
+        transformer's patch). Here: the tiny model's patch x its VAE's 2, and 8 x 2 for a real checkpoint."""
+        if model_cfg.pretrained in (None, "", "tiny"):
+            return model_cfg.tiny.patch_size * (2 if model_cfg.tiny.vae else 1)
+        return 16
+
+    @classmethod
+    def context_parallel_plan(cls) -> dict | None:
+        """diffusers' context-parallel plan of this family's transformer (``_cp_plan``), or None without one."""
+        import diffusers
+
+        return getattr(getattr(diffusers, cls.transformer_class_name, None), "_cp_plan", None) or None
+
+    @classmethod
+    def memory_latent_shape(cls, model_cfg, config: dict) -> tuple[int, ...]:
+        """The engine's latent shape at ``model.resolution`` for a real checkpoint whose transformer config is
+        ``config`` (no weights loaded): here (C, H / 8, W / 8)."""
+        r = model_cfg.resolution // 8
+        return (config.get("in_channels", 16), r, r)
+
+    @classmethod
+    def memory_text_tokens(cls, model_cfg) -> int:
+        """Text tokens per prompt a real checkpoint's transformer attends to."""
+        return model_cfg.max_sequence_length
+
+    def patch_pixels(self, resolution: int) -> int:
+        """Pixels per latent patch along a side of a square image: the period at which a patch-grid artifact shows
+        (16 for SD3, FLUX and Qwen-Image at real size)."""
+        return max(1, round(resolution / self.image_seq_len(resolution) ** 0.5))
+
+    def extra_transformers(self) -> list[torch.nn.Module]:
+        """Transformers besides the trained one that the rollout calls (frozen, held whole on every process)."""
+        return []
+
+    def pad_sigma(self) -> float:
+        """A sigma at which a zero-weight padding call reaches the trained transformer."""
+        return 0.5
+
     def __init__(self, pipe, max_sequence_length: int = 256, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, text_encoder_device: str = "same", vae_tiling: bool = False,
                  **family):

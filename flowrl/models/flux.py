@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .published import FLUX1_DEV
 from .common import JOINT_ATTENTION_LORA_TARGETS, PipelineAdapter
 
 FLUX_PRESETS = {
@@ -46,6 +47,20 @@ def image_ids(h: int, w: int) -> torch.Tensor:
 class FluxAdapter(PipelineAdapter):
     family = "flux"
     pipeline_class_name = "FluxPipeline"
+    transformer_class_name = "FluxTransformer2DModel"
+    published_architectures = {"black-forest-labs/FLUX.1-dev": (FLUX1_DEV, 1),
+                               "black-forest-labs/FLUX.1-schnell": (dict(FLUX1_DEV, guidance_embeds=False), 1)}
+    context_parallel_splits_text = True
+
+    @classmethod
+    def resolution_multiple(cls, model_cfg) -> int:
+        """The VAE's downsampling (tiny: 2, real: 8) x 2 x 2 patches."""
+        return 4 if model_cfg.pretrained in (None, "", "tiny") else 16
+
+    @classmethod
+    def memory_latent_shape(cls, model_cfg, config: dict) -> tuple[int, ...]:
+        r = model_cfg.resolution // 8  # the engine's latents stay unpacked: the adapter packs 2x2 patches
+        return (config.get("in_channels", 64) // 4, r, r)
     lora_targets = FLUX_LORA_TARGETS
     text_encoder_names = ("text_encoder", "text_encoder_2")
 

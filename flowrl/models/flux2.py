@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
+from .published import FLUX2_KLEIN_4B
 from .common import JOINT_ATTENTION_LORA_TARGETS, PipelineAdapter
 
 FLUX2_PRESETS = {"flux.2-dev": "black-forest-labs/FLUX.2-dev", "flux.2-klein-4b": "black-forest-labs/FLUX.2-klein-4B",
@@ -28,12 +29,27 @@ def token_ids(h: int, w: int) -> torch.Tensor:
 
 class Flux2Adapter(PipelineAdapter):
     family = "flux2"
+    transformer_class_name = "Flux2Transformer2DModel"
+    published_architectures = {"black-forest-labs/FLUX.2-klein-4B": (FLUX2_KLEIN_4B, 1),
+                               "black-forest-labs/FLUX.2-klein-base-4B": (FLUX2_KLEIN_4B, 1)}
+    context_parallel_splits_text = True
+
+    @classmethod
+    def resolution_multiple(cls, model_cfg) -> int:
+        """The VAE's downsampling (tiny: 2, real: 8) x 2 x 2 patches."""
+        return 4 if model_cfg.pretrained in (None, "", "tiny") else 16
+
+    @classmethod
+    def memory_latent_shape(cls, model_cfg, config: dict) -> tuple[int, ...]:
+        r = model_cfg.resolution // 16  # the engine's latents are already patchified 2x2: (4C, H / 16, W / 16)
+        return (config.get("in_channels", 128), r, r)
     lora_targets = FLUX2_LORA_TARGETS
     text_encoder_names = ("text_encoder",)
 
     tiny_builder = "build_tiny_flux2_pipeline"
     presets = FLUX2_PRESETS
     pipeline_class_name = "DiffusionPipeline"  # FLUX.2 [dev] or [klein]: the checkpoint's model_index.json decides
+    pipeline_label = "Flux2Pipeline` / `Flux2KleinPipeline"  # what the docs' family matrix shows
     family_options = ("guidance",)
     guidance = 4.0  # FLUX.2 [dev]'s guidance embedding (model.guidance); klein has none
     text_encoder_out_layers: tuple[int, ...] | None = None  # None: the pipeline's default layers

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .published import QWEN_IMAGE
 from .common import JOINT_ATTENTION_LORA_TARGETS, PipelineAdapter, PromptEmbeds
 from .flux import pack, unpack
 
@@ -22,6 +23,19 @@ QWEN_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS  # its dual-stream blocks name 
 class QwenImageAdapter(PipelineAdapter):
     family = "qwenimage"
     pipeline_class_name = "QwenImagePipeline"
+    transformer_class_name = "QwenImageTransformer2DModel"
+    published_architectures = {"Qwen/Qwen-Image": (QWEN_IMAGE, 1)}
+    context_parallel_splits_text = True
+
+    @classmethod
+    def resolution_multiple(cls, model_cfg) -> int:
+        """The VAE's downsampling (tiny: 2, real: 8) x 2 x 2 patches."""
+        return 4 if model_cfg.pretrained in (None, "", "tiny") else 16
+
+    @classmethod
+    def memory_latent_shape(cls, model_cfg, config: dict) -> tuple[int, ...]:
+        r = model_cfg.resolution // 8
+        return (config.get("out_channels", 16), r, r)  # the VAE's channels (the transformer's input is packed)
     lora_targets = QWEN_LORA_TARGETS
     text_encoder_names = ("text_encoder",)
     variable_length = True

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .published import SD35_MEDIUM
 from .common import DTYPES, JOINT_ATTENTION_LORA_TARGETS, PipelineAdapter, load_pipeline
 
 SD3_PRESETS = {
@@ -34,6 +35,9 @@ class SD3Adapter(PipelineAdapter):
 
     family = "sd3"
     pipeline_class_name = "StableDiffusion3Pipeline"
+    transformer_class_name = "SD3Transformer2DModel"
+    published_architectures = {"stabilityai/stable-diffusion-3.5-medium": (SD35_MEDIUM, 1),
+                               "random-sd3.5-medium": (SD35_MEDIUM, 1)}  # the published architecture, random weights
     lora_targets = SD3_LORA_TARGETS
     presets = SD3_PRESETS
     text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
@@ -60,6 +64,10 @@ class SD3Adapter(PipelineAdapter):
                    text_encoder_device=model_cfg.text_encoder_device, vae_tiling=model_cfg.vae_tiling)
 
     # ---------------------------------------------------------------- geometry
+    @classmethod
+    def memory_text_tokens(cls, model_cfg) -> int:
+        return model_cfg.max_sequence_length + 77  # T5's tokens after CLIP's 77
+
     def latent_shape(self, resolution: int) -> tuple[int, int, int]:
         factor = self.vae_factor()
         return (self.transformer.config.in_channels, resolution // factor, resolution // factor)

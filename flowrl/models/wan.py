@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .common import PipelineAdapter
+from .published import WAN21_1_3B, WAN21_14B
 
 WAN_PRESETS = {"wan2.1-t2v-1.3b": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan2.1-t2v-14b": "Wan-AI/Wan2.1-T2V-14B-Diffusers",
                "wan2.2-t2v-a14b": "Wan-AI/Wan2.2-T2V-A14B-Diffusers"}
@@ -27,6 +28,37 @@ WAN_LORA_TARGETS = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
 class WanAdapter(PipelineAdapter):
     family = "wan"
     pipeline_class_name = "WanPipeline"
+    transformer_class_name = "WanTransformer3DModel"
+    published_architectures = {"Wan-AI/Wan2.1-T2V-1.3B-Diffusers": (WAN21_1_3B, 1),
+                               "Wan-AI/Wan2.1-T2V-14B-Diffusers": (WAN21_14B, 1),
+                               "Wan-AI/Wan2.2-T2V-A14B-Diffusers": (WAN21_14B, 2)}  # two experts of 14B
+    video = True
+
+    @classmethod
+    def resolution_multiple(cls, model_cfg) -> int:
+        """The VAE's downsampling (tiny: 2, real: 8) x 2 x 2 patches."""
+        return 4 if model_cfg.pretrained in (None, "", "tiny") else 16
+
+    @classmethod
+    def memory_latent_shape(cls, model_cfg, config: dict) -> tuple[int, ...]:
+        r = model_cfg.resolution // 8
+        return (config.get("in_channels", 16), (model_cfg.num_frames - 1) // 4 + 1, r, r)  # 4x temporal VAE
+
+    def patch_pixels(self, resolution: int) -> int:
+        """Pixels per latent patch along a side of a frame (the tokens of one latent frame)."""
+        _, _, h, _ = self.latent_shape(resolution)
+        return max(1, resolution // (h // self.transformer.config.patch_size[1]))
+
+    def extra_transformers(self) -> list[torch.nn.Module]:
+        """Wan 2.2: the frozen expert that draws the steps on the other side of the boundary."""
+        second = getattr(self, "frozen_expert", None)
+        return [] if second is None else [second]
+
+    def pad_sigma(self) -> float:
+        """A sigma on the trained expert's side of Wan 2.2's boundary (0.5 with one model)."""
+        if self.boundary is None:
+            return 0.5
+        return min(1.0, self.boundary / 1000 + 0.05) if self.train_expert == "high_noise" else self.boundary / 2000
     lora_targets = WAN_LORA_TARGETS
     text_encoder_names = ("text_encoder",)
 

@@ -82,6 +82,53 @@ def plot_reward_curve(run_dir: Path) -> Path | None:
     return out
 
 
+def plot_guard(run_dir: Path, tolerances: dict | None = None) -> Path | None:
+    """guard.png: the reward-hacking guard's signals at each check (metrics.jsonl's ``guard/...``), each beside its
+    starting value (guard.json) and, given ``tolerances`` (the ``guard`` config as a dict), its trigger line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = run_dir / "guard.json"
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "guard/artifacts" in r]
+    if not path.is_file() or not rows:
+        return None
+    start, tol = json.loads(path.read_text())["start"], tolerances or {}
+    its = [0] + [r["iteration"] + 1 for r in rows]
+    watched = sorted(start.get("watched", {}))
+    panels = [("periodic artifacts (log power ratio)", ["artifacts"]), ("diversity", ["diversity"]),
+              ("image drift", ["brightness", "saturation", "dark_fraction", "blown_fraction"])]
+    if watched:
+        panels.insert(0, ("watched rewards (minus their start)", watched))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.3 * len(panels), 3.3), squeeze=False)
+    for ax, (title, keys) in zip(axes[0], panels):
+        for i, key in enumerate(keys):
+            if key in watched:
+                s0 = start["watched"][key][0]
+                ys = [0.0] + [r.get(f"guard/watched/{key}", float("nan")) - s0 for r in rows]
+                if "watched_tolerance" in tol:
+                    ax.axhline(-tol["watched_tolerance"] * start["watched"][key][1], color=f"C{i}", ls=":", lw=0.8)
+            else:
+                ys = [start[key]] + [r.get(f"guard/{key}", float("nan")) for r in rows]
+                limit = {"artifacts": start[key] + tol.get("artifact_rise", float("nan")),
+                         "diversity": start[key] * (1 - tol.get("diversity_drop", float("nan")))}.get(key)
+                if limit is not None and limit == limit:
+                    ax.axhline(limit, color="C3", ls=":", lw=0.8, label="trigger")
+            ax.plot(its, ys, "o-", ms=3, color=f"C{i}", label=key.replace("_", " "))
+        triggered = [r["iteration"] + 1 for r in rows if r.get("guard/triggered")]
+        for x in triggered:
+            ax.axvline(x, color="C3", alpha=0.3)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"{run_dir.name}: reward-hacking guard (red bands: checks that triggered)", fontsize=9)
+    out = run_dir / "guard.png"
+    save_figure(fig, out)
+    return out
+
+
 def draw_plans(plans: list, path: str | Path, *, leaf_rewards: bool = True) -> Path:
     """Draw one prompt's denoising tree for each rollout plan, side by side: a node per state, x = the denoising
     index (sigma_0 = noise on the left), edges coloured by kind. SDE edges that are trained are solid red, SDE
