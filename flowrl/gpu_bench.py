@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .models.published import FLUX1_DEV, FLUX2_KLEIN_4B, QWEN_IMAGE, SD35_MEDIUM, WAN21_1_3B, WAN21_14B  # published configs
+from .models.published import (FLUX1_DEV, FLUX2_KLEIN_4B, QWEN_IMAGE, SD35_MEDIUM, WAN21_1_3B,  # published configs
+                               WAN21_14B, ZIMAGE_6B)
 from .errors import ConfigError
 from .models.common import PromptEmbeds
 from .sampling import peak_memory_mb, synchronize
@@ -38,22 +39,26 @@ TINY.update({"qwen": dict(QWEN_IMAGE, num_layers=1, num_attention_heads=2, atten
              "flux2k": dict(FLUX2_KLEIN_4B, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
                             num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 4, 4, 4))})
 TINY["wan14"] = TINY["wan13"]
+TINY["zimage"] = dict(ZIMAGE_6B, dim=64, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32,
+                      axes_dims=[8, 12, 12])
 REAL = {"sd35m": SD35_MEDIUM, "flux1": FLUX1_DEV, "qwen": QWEN_IMAGE, "wan13": WAN21_1_3B, "wan14": WAN21_14B,
-        "flux2k": FLUX2_KLEIN_4B}
+        "flux2k": FLUX2_KLEIN_4B, "zimage": ZIMAGE_6B}
 CLASSES = {"sd35m": "SD3Transformer2DModel", "flux1": "FluxTransformer2DModel", "qwen": "QwenImageTransformer2DModel",
-           "wan13": "WanTransformer3DModel", "wan14": "WanTransformer3DModel", "flux2k": "Flux2Transformer2DModel"}
+           "wan13": "WanTransformer3DModel", "wan14": "WanTransformer3DModel", "flux2k": "Flux2Transformer2DModel",
+           "zimage": "ZImageTransformer2DModel"}
 # families called through their adapter's transformer call
-ADAPTER_FAMILY = {"qwen": "qwenimage", "wan13": "wan", "wan14": "wan", "flux2k": "flux2"}
+ADAPTER_FAMILY = {"qwen": "qwenimage", "wan13": "wan", "wan14": "wan", "flux2k": "flux2", "zimage": "zimage"}
 # CLIP 77 x 2 padded + T5 256 (SD3); T5 512 (FLUX.1-dev); a typical Qwen2.5-VL prompt; UMT5 padded to 512 (Wan);
-# Qwen3 padded to 512 (FLUX.2 klein)
-TEXT_TOKENS = {"sd35m": 333, "flux1": 512, "qwen": 256, "wan13": 512, "wan14": 512, "flux2k": 512}
+# Qwen3 padded to 512 (FLUX.2 klein); a typical prompt's real Qwen3 tokens (Z-Image drops the padding)
+TEXT_TOKENS = {"sd35m": 333, "flux1": 512, "qwen": 256, "wan13": 512, "wan14": 512, "flux2k": 512, "zimage": 128}
 WAN_FRAMES = 9  # 3 latent frames (the 4x temporal VAE)
 LORA_TARGETS = {"sd35m": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"],
                 "flux1": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"],
                 "qwen": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"],
                 "wan13": ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0"],
                 "wan14": ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0"],
-                "flux2k": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.to_qkv_mlp_proj"]}
+                "flux2k": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.to_qkv_mlp_proj"],
+                "zimage": ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0"]}
 
 
 @dataclass
@@ -119,7 +124,9 @@ def _cond(model: BenchModel, n: int, tiny: bool) -> PromptEmbeds:
     tr = model.transformer.config
     tokens = 16 if tiny else TEXT_TOKENS[model.family]
     g = torch.Generator().manual_seed(0)
-    text_dim = tr.get("joint_attention_dim") or tr.get("text_dim")
+    from .models import ADAPTERS
+
+    text_dim = ADAPTERS[ADAPTER_FAMILY.get(model.family, "sd3")].memory_text_dim(tr)  # each family's text width
     embeds = torch.randn(n, tokens, text_dim, generator=g).to(model.device)
     pooled = torch.randn(n, tr.get("pooled_projection_dim") or 0, generator=g).to(model.device)
     return PromptEmbeds(embeds, pooled)
@@ -237,7 +244,8 @@ def rollout_time(model: BenchModel, px: int, prompts: int, tiny: bool, tree: boo
 
 # the shipped preset whose memory model sizes each family's micro-batch (train.micro_batch=auto)
 PRESETS = {"sd35m": "sd35m_flow_grpo.yaml", "flux1": "flux1_dev_flow_grpo.yaml", "flux2k": "flux2_klein_flow_grpo.yaml",
-           "qwen": "qwen_image_flow_grpo.yaml", "wan13": "wan21_1.3b_flow_grpo.yaml", "wan14": "wan21_14b_flow_grpo.yaml"}
+           "qwen": "qwen_image_flow_grpo.yaml", "wan13": "wan21_1.3b_flow_grpo.yaml", "wan14": "wan21_14b_flow_grpo.yaml",
+           "zimage": "zimage_turbo_flow_grpo.yaml"}
 
 
 H100_BYTES = 79 * 2 ** 30  # what an 80 GB H100 reports: the card --tiny sizes its micro-batches for

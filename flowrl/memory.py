@@ -108,25 +108,6 @@ def state_bytes(cfg, arch: Architecture, shards: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ activations
-def _narrow(arch: Architecture, heads: int, blocks: dict[str, int]) -> dict:
-    """Config changes of a replica with ``heads`` attention heads and the given block counts."""
-    c = arch.config
-    full = c["num_attention_heads"]
-    ch = {"num_attention_heads": heads, **blocks}
-    if "ffn_dim" in c:
-        ch["ffn_dim"] = max(1, c["ffn_dim"] * heads // full)
-    if "caption_projection_dim" in c:  # SD3: the text stream's width is the model width
-        ch["caption_projection_dim"] = heads * c["attention_head_dim"]
-    if "dual_attention_layers" in c:
-        ch["dual_attention_layers"] = tuple(i for i in c["dual_attention_layers"] if i < blocks["num_layers"])
-    return ch
-
-
-def _block_counts(arch: Architecture) -> dict[str, int]:
-    c = arch.config
-    return {k: c[k] for k in ("num_layers", "num_single_layers") if k in c}
-
-
 def _saved_bytes(model, velocity) -> int:
     """Bytes autograd saves for the backward in one forward (each storage counted once)."""
     seen, total = set(), 0
@@ -153,16 +134,16 @@ def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
     from .models.common import PromptEmbeds
 
     c = arch.config
-    heads_full, head_dim = c["num_attention_heads"], c["attention_head_dim"]
-    heads = min(heads_full, max(1, 256 // head_dim))
-    counts = _block_counts(arch)
-    cls = getattr(diffusers, arch.class_name)
     adapter_cls = adapter_class(cfg.model.family)
+    heads_full, head_dim = adapter_cls.memory_heads(c)
+    heads = min(heads_full, max(1, 256 // head_dim))
+    counts = adapter_cls.memory_block_counts(c)
+    cls = getattr(diffusers, arch.class_name)
     shell = adapter_cls.bare(None, torch.float32, "cpu")  # the family's own transformer call, without a pipeline
     tiny = cfg.model.pretrained in (None, "", "tiny") or str(cfg.model.pretrained).startswith("tiny")
     shape = adapter_cls.memory_latent_shape(cfg.model, c)  # a real checkpoint's (the tiny ones are measured below)
     text_tokens = adapter_cls.memory_text_tokens(cfg.model)
-    text_dim = c.get("joint_attention_dim") or c.get("text_dim") or 4096
+    text_dim = adapter_cls.memory_text_dim(c)
     pooled = c.get("pooled_projection_dim") or 0
     if tiny:
         from .models import load_adapter
@@ -179,7 +160,7 @@ def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
 
     def measure(blocks: dict[str, int]) -> int:
         torch.manual_seed(0)
-        model = cls.from_config({**c, **_narrow(arch, heads, blocks)})
+        model = cls.from_config({**c, **adapter_cls.memory_narrow(c, heads, blocks)})
         model.train()
         return _saved_bytes(model, velocity)
 

@@ -19,6 +19,7 @@ FAMILIES = {
     "qwenimage": ["model.family=qwenimage", "model.resolution=32", "model.tiny.resolution=32"],
     "flux2": ["model.family=flux2", "model.resolution=32", "model.tiny.resolution=32"],
     "wan": ["model.family=wan", "model.resolution=32", "model.tiny.resolution=32", "model.num_frames=5"],
+    "zimage": ["model.family=zimage", "model.resolution=32", "model.tiny.resolution=32"],
 }
 REWARD = {f: "rewards=[{name: 'tests.helpers:brightness'}]" for f in FAMILIES}
 REWARD["wan"] = "rewards=[{name: video_frames, args: {reward: 'tests.helpers:brightness'}}]"  # videos (N, F, 3, H, W)
@@ -128,6 +129,51 @@ def test_flux2_rollout_equals_flux2_pipeline():
         ours = Sampler(cfg, adapter, num_steps=4)([PROMPTS[0]], [3])
     ref = adapter.pipe(prompt=[PROMPTS[0]], guidance_scale=4.0, **common).images
     assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+
+
+def test_zimage_rollout_equals_zimage_pipeline():
+    """Noise off: ZImagePipeline's images, without CFG (Turbo's setting) and with it (the pipeline's guidance_scale
+    g is ours minus 1), prompts of different token counts."""
+    cfg = family_cfg("zimage", "sampler.guidance_scale=4.0", "sampler.negative_prompt=")
+    adapter = load_adapter(cfg.model)
+    shape = adapter.latent_shape(32)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(3))[None]
+    common = dict(height=32, width=32, num_inference_steps=4, latents=noise, output_type="pt",
+                  max_sequence_length=adapter.max_sequence_length)
+    sig = sigmas_for(cfg, adapter, 4)
+    for p in PROMPTS:
+        ref = adapter.pipe(prompt=p, guidance_scale=0.0, **common).images
+        ours = sample_images(adapter, [p], [3], sig, shape)
+        assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+    with torch.no_grad():
+        ours = Sampler(cfg, adapter, num_steps=4)([PROMPTS[0]], [3])
+    ref = adapter.pipe(prompt=PROMPTS[0], negative_prompt="", guidance_scale=3.0, **common).images
+    assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+
+
+def test_zimage_first_sde_step_mean_equals_the_pipeline_transformers():
+    """The first SDE step (sigma 1 -> the grid's next) of a batch whose prompts have different token counts: its mean
+    from our velocity equals the one from ZImagePipeline's transformer called on each prompt's own tokens."""
+    from flowrl.samplers.kernels import step as kernel_step
+
+    cfg = family_cfg("zimage")
+    adapter = load_adapter(cfg.model)
+    prompts = ["a cat", PROMPTS[0]]
+    x = torch.randn((2, *adapter.latent_shape(32)), generator=torch.Generator().manual_seed(1))
+    cond = adapter.encode_prompts(prompts)  # padded to the longer prompt, with a mask
+    sig = sigmas_for(cfg, adapter, 4)
+    s, s_next = sig[:1].expand(2), sig[1:2].expand(2)
+    with torch.no_grad():
+        v = adapter.velocity(x, s, cond)
+        embeds = [adapter.pipe._encode_prompt([p], device="cpu", max_sequence_length=adapter.max_sequence_length)[0]
+                  for p in prompts]
+        out = adapter.pipe.transformer(list(x.unsqueeze(2).unbind(0)), 1 - s, embeds, return_dict=False)[0]
+    v_pipe = -torch.stack(out).squeeze(2)
+    assert cond.mask is not None and not cond.mask.all()
+    noise = torch.zeros_like(x)
+    ours = kernel_step("flow_grpo", x, v, s, s_next, noise_level=0.7, sigma_at_one=float(sig[1]), noise=noise)
+    theirs = kernel_step("flow_grpo", x, v_pipe, s, s_next, noise_level=0.7, sigma_at_one=float(sig[1]), noise=noise)
+    assert torch.allclose(ours.mean, theirs.mean, atol=1e-6), (ours.mean - theirs.mean).abs().max()
 
 
 def test_wan_rollout_equals_wan_pipeline():
@@ -344,7 +390,7 @@ def test_an_image_reward_on_videos_says_how_to_wrap_it(tmp_path, capsys):
                                      "rewards=[{name: video_frames, args: {reward: jpeg_compressibility}}]")
 
 
-@pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage", "wan"])
+@pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage", "wan", "zimage"])
 def test_a_local_diffusers_folder_loads_by_path(tmp_path, family):
     """model.pretrained=<folder>: a checkpoint saved with save_pretrained loads through the family's pipeline
     (FLUX.2: the class named in its model_index.json) and gives the same velocities."""

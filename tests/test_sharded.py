@@ -47,6 +47,9 @@ CASES = {
                                                "train.gradient_checkpointing=true"]),
     "superflow_unequal": ("tiny_superflow.yaml", ["sampler.rollout_batches=3", "train.num_minibatches=5",
                                                 "train.micro_batch=4"]),
+    # Z-Image: its single-stream blocks (ZImageTransformerBlock) are the FSDP units; LoRA
+    "zimage_lora": ("tiny_flow_grpo.yaml", ["model.family=zimage", "model.resolution=32", "model.tiny.resolution=32",
+                                            "train.prompts_per_iter=2", "sampler.num_steps=4"]),
 }
 
 

@@ -9,8 +9,10 @@ from .flux2 import Flux2Adapter
 from .qwenimage import QwenImageAdapter
 from .sd3 import SD3_LORA_TARGETS, SD3_PRESETS, SD3Adapter
 from .wan import WanAdapter
+from .zimage import ZImageAdapter
 
-ADAPTERS = {"sd3": SD3Adapter, "flux": FluxAdapter, "flux2": Flux2Adapter, "qwenimage": QwenImageAdapter, "wan": WanAdapter}
+ADAPTERS = {"sd3": SD3Adapter, "flux": FluxAdapter, "flux2": Flux2Adapter, "qwenimage": QwenImageAdapter, "wan": WanAdapter,
+            "zimage": ZImageAdapter}
 
 
 def load_adapter(model_cfg, device="cpu", sharded_reader: bool | None = None) -> ModelAdapter:
@@ -38,4 +40,4 @@ def load_adapter(model_cfg, device="cpu", sharded_reader: bool | None = None) ->
         return cls.from_config(model_cfg, device)
 
 
-__all__ = ["ADAPTERS", "WanAdapter", "Flux2Adapter", "FluxAdapter", "QwenImageAdapter", "ModelAdapter", "PromptEmbeds", "SD3Adapter", "SD3_LORA_TARGETS", "SD3_PRESETS", "load_adapter"]
+__all__ = ["ADAPTERS", "WanAdapter", "ZImageAdapter", "Flux2Adapter", "FluxAdapter", "QwenImageAdapter", "ModelAdapter", "PromptEmbeds", "SD3Adapter", "SD3_LORA_TARGETS", "SD3_PRESETS", "load_adapter"]

@@ -116,6 +116,36 @@ class PipelineAdapter:
         return (config.get("in_channels", 16), r, r)
 
     @classmethod
+    def memory_heads(cls, config: dict) -> tuple[int, int]:
+        """(attention heads, head width) of a transformer config, for ``flowrl memory``'s narrow replica."""
+        return config["num_attention_heads"], config["attention_head_dim"]
+
+    @classmethod
+    def memory_block_counts(cls, config: dict) -> dict[str, int]:
+        """The config keys counting repeated blocks and their values (the replica keeps one or two of each)."""
+        return {k: config[k] for k in ("num_layers", "num_single_layers") if k in config}
+
+    @classmethod
+    def memory_narrow(cls, config: dict, heads: int, blocks: dict[str, int]) -> dict:
+        """Config changes of a replica with ``heads`` attention heads and the given block counts (the widths that
+        follow the heads scaled with them)."""
+        full = config["num_attention_heads"]
+        changes = {"num_attention_heads": heads, **blocks}
+        if "ffn_dim" in config:
+            changes["ffn_dim"] = max(1, config["ffn_dim"] * heads // full)
+        if "caption_projection_dim" in config:  # SD3: the text stream's width is the model width
+            changes["caption_projection_dim"] = heads * config["attention_head_dim"]
+        if "dual_attention_layers" in config:
+            changes["dual_attention_layers"] = tuple(i for i in config["dual_attention_layers"]
+                                                     if i < blocks["num_layers"])
+        return changes
+
+    @classmethod
+    def memory_text_dim(cls, config: dict) -> int:
+        """The width of the text tokens the transformer takes."""
+        return config.get("joint_attention_dim") or config.get("text_dim") or 4096
+
+    @classmethod
     def memory_text_tokens(cls, model_cfg) -> int:
         """Text tokens per prompt a real checkpoint's transformer attends to."""
         return model_cfg.max_sequence_length

@@ -33,6 +33,10 @@ WAN21_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_di
                  qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
                  rope_max_seq_len=1024)
 WAN21_1_3B = dict(WAN21_14B, num_attention_heads=12, ffn_dim=8960, num_layers=30)
+# Z-Image (Turbo and base, 6B): ZImageTransformer2DModel's defaults are the published configuration
+ZIMAGE_6B = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30, n_refiner_layers=2,
+                 n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True, cap_feat_dim=2560, rope_theta=256.0,
+                 t_scale=1000.0, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512])
 FLUX2_KLEIN_4B = dict(patch_size=1, in_channels=128, out_channels=None, num_layers=5, num_single_layers=20,
                       attention_head_dim=128, num_attention_heads=24, joint_attention_dim=7680,
                       timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32),

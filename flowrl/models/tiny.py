@@ -236,6 +236,36 @@ def build_tiny_flux2_pipeline(tiny, seed: int = 0):
     return pipe, {"text_encoder_out_layers": layers}
 
 
+def build_tiny_zimage_pipeline(tiny, seed: int = 0):
+    """A tiny Z-Image-architecture pipeline: a Qwen3 text encoder with the offline byte-level tokenizer and a chat
+    template, a 2x FLUX-style VAE with 4 latent channels (scaling and shift factors away from 1 and 0, so decoding
+    exercises them), a single-stream transformer with 2 x 2 patches, and Z-Image-Turbo's scheduler (static shift 3)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(seed)
+    tokenizer = build_tiny_byte_level_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    h = tiny.text_hidden
+    text_encoder = Qwen3Model(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=h, intermediate_size=2 * h, num_hidden_layers=max(2, tiny.text_layers),
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None))
+    vae = AutoencoderKL(block_out_channels=(16, 32), down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=8,
+                        layers_per_block=1, sample_size=tiny.resolution, scaling_factor=0.3611, shift_factor=0.1159)
+    heads = tiny.num_attention_heads
+    dim = heads * tiny.attention_head_dim
+    spatial = tiny.attention_head_dim // 8 * 3  # rope axes (t, h, w) summing to the head width: 8, 12, 12 for 32
+    axes = [tiny.attention_head_dim - 2 * spatial, spatial, spatial]
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=dim, n_layers=tiny.num_layers,
+        n_refiner_layers=1, n_heads=heads, n_kv_heads=heads, cap_feat_dim=h, axes_dims=axes, axes_lens=[256, 64, 64])
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
+    return ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                          transformer=transformer)
+
+
 def build_tiny_wan_pipeline(tiny, seed: int = 0):
     """A tiny Wan 2.1-architecture text-to-video pipeline: a UMT5 encoder with the offline byte-level tokenizer, a
     Wan VAE with 2x spatial and 2x temporal compression and 4 latent channels, the 3D transformer, and the
