@@ -52,6 +52,14 @@ class FluxAdapter(PipelineAdapter):
                                "black-forest-labs/FLUX.1-schnell": (dict(FLUX1_DEV, guidance_embeds=False), 1)}
     context_parallel_splits_text = True
 
+    lora_targets = FLUX_LORA_TARGETS
+    text_encoder_names = ("text_encoder", "text_encoder_2")
+
+    tiny_builder = "build_tiny_flux_pipeline"
+    presets = FLUX_PRESETS
+    family_options = ("guidance",)
+    guidance = 3.5  # FLUX.1-dev's distilled guidance (model.guidance)
+
     @classmethod
     def resolution_multiple(cls, model_cfg) -> int:
         """The VAE's downsampling (tiny: 2, real: 8) x 2 x 2 patches."""
@@ -61,13 +69,6 @@ class FluxAdapter(PipelineAdapter):
     def memory_latent_shape(cls, model_cfg, config: dict) -> tuple[int, ...]:
         r = model_cfg.resolution // 8  # the engine's latents stay unpacked: the adapter packs 2x2 patches
         return (config.get("in_channels", 64) // 4, r, r)
-    lora_targets = FLUX_LORA_TARGETS
-    text_encoder_names = ("text_encoder", "text_encoder_2")
-
-    tiny_builder = "build_tiny_flux_pipeline"
-    presets = FLUX_PRESETS
-    family_options = ("guidance",)
-    guidance = 3.5  # FLUX.1-dev's distilled guidance (model.guidance)
 
     # ---------------------------------------------------------------- geometry and schedule
     def latent_shape(self, resolution: int) -> tuple[int, int, int]:

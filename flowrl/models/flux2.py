@@ -34,15 +34,6 @@ class Flux2Adapter(PipelineAdapter):
                                "black-forest-labs/FLUX.2-klein-base-4B": (FLUX2_KLEIN_4B, 1)}
     context_parallel_splits_text = True
 
-    @classmethod
-    def resolution_multiple(cls, model_cfg) -> int:
-        """The VAE's downsampling (tiny: 2, real: 8) x 2 x 2 patches."""
-        return 4 if model_cfg.pretrained in (None, "", "tiny") else 16
-
-    @classmethod
-    def memory_latent_shape(cls, model_cfg, config: dict) -> tuple[int, ...]:
-        r = model_cfg.resolution // 16  # the engine's latents are already patchified 2x2: (4C, H / 16, W / 16)
-        return (config.get("in_channels", 128), r, r)
     lora_targets = FLUX2_LORA_TARGETS
     text_encoder_names = ("text_encoder",)
 
@@ -53,6 +44,16 @@ class Flux2Adapter(PipelineAdapter):
     family_options = ("guidance",)
     guidance = 4.0  # FLUX.2 [dev]'s guidance embedding (model.guidance); klein has none
     text_encoder_out_layers: tuple[int, ...] | None = None  # None: the pipeline's default layers
+
+    @classmethod
+    def resolution_multiple(cls, model_cfg) -> int:
+        """The VAE's downsampling (tiny: 2, real: 8) x 2 x 2 patches."""
+        return 4 if model_cfg.pretrained in (None, "", "tiny") else 16
+
+    @classmethod
+    def memory_latent_shape(cls, model_cfg, config: dict) -> tuple[int, ...]:
+        r = model_cfg.resolution // 16  # the engine's latents are already patchified 2x2: (4C, H / 16, W / 16)
+        return (config.get("in_channels", 128), r, r)
 
     def __init__(self, pipe, *args, **kwargs):
         if type(pipe).__name__ not in ("Flux2Pipeline", "Flux2KleinPipeline"):

@@ -27,6 +27,14 @@ class QwenImageAdapter(PipelineAdapter):
     published_architectures = {"Qwen/Qwen-Image": (QWEN_IMAGE, 1)}
     context_parallel_splits_text = True
 
+    lora_targets = QWEN_LORA_TARGETS
+    text_encoder_names = ("text_encoder",)
+    variable_length = True
+
+    tiny_builder = "build_tiny_qwenimage_pipeline"
+    tiny_sequence_length = False  # the pipeline keeps a prompt template ahead of the prompt
+    presets = QWEN_PRESETS
+
     @classmethod
     def resolution_multiple(cls, model_cfg) -> int:
         """The VAE's downsampling (tiny: 2, real: 8) x 2 x 2 patches."""
@@ -36,13 +44,6 @@ class QwenImageAdapter(PipelineAdapter):
     def memory_latent_shape(cls, model_cfg, config: dict) -> tuple[int, ...]:
         r = model_cfg.resolution // 8
         return (config.get("out_channels", 16), r, r)  # the VAE's channels (the transformer's input is packed)
-    lora_targets = QWEN_LORA_TARGETS
-    text_encoder_names = ("text_encoder",)
-    variable_length = True
-
-    tiny_builder = "build_tiny_qwenimage_pipeline"
-    tiny_sequence_length = False  # the pipeline keeps a prompt template ahead of the prompt
-    presets = QWEN_PRESETS
 
     # ---------------------------------------------------------------- geometry, schedule, decoding
     def vae_factor(self) -> int:

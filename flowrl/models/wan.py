@@ -34,6 +34,16 @@ class WanAdapter(PipelineAdapter):
                                "Wan-AI/Wan2.2-T2V-A14B-Diffusers": (WAN21_14B, 2)}  # two experts of 14B
     video = True
 
+    lora_targets = WAN_LORA_TARGETS
+    text_encoder_names = ("text_encoder",)
+
+    tiny_builder = "build_tiny_wan_pipeline"
+    presets = WAN_PRESETS
+    family_options = ("num_frames", "train_expert", "low_noise_guidance_scale")
+    num_frames = 17  # model.num_frames: 4k + 1 for the 4x temporal VAE
+    train_expert = "high_noise"  # Wan 2.2: which expert the policy trains
+    low_noise_guidance_scale = None  # Wan 2.2: the low-noise expert's CFG scale (None: the sampler's)
+
     @classmethod
     def resolution_multiple(cls, model_cfg) -> int:
         """The VAE's downsampling (tiny: 2, real: 8) x 2 x 2 patches."""
@@ -59,15 +69,6 @@ class WanAdapter(PipelineAdapter):
         if self.boundary is None:
             return 0.5
         return min(1.0, self.boundary / 1000 + 0.05) if self.train_expert == "high_noise" else self.boundary / 2000
-    lora_targets = WAN_LORA_TARGETS
-    text_encoder_names = ("text_encoder",)
-
-    tiny_builder = "build_tiny_wan_pipeline"
-    presets = WAN_PRESETS
-    family_options = ("num_frames", "train_expert", "low_noise_guidance_scale")
-    num_frames = 17  # model.num_frames: 4k + 1 for the 4x temporal VAE
-    train_expert = "high_noise"  # Wan 2.2: which expert the policy trains
-    low_noise_guidance_scale = None  # Wan 2.2: the low-noise expert's CFG scale (None: the sampler's)
 
     def __init__(self, pipe, **kwargs):
         super().__init__(pipe, **kwargs)
