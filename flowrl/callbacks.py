@@ -286,12 +286,25 @@ class RewardHackingGuard(Callback):
                 print(message + " (guard.on_trigger=warn: the run goes on)", file=sys.stderr)
             return None
         if self.g.on_trigger == "restore_best":
-            ok = self.state.get("ok_iteration", 0)
-            load_named_weights(trainer, trainer.run_dir / "checkpoints" / "guard_ok")
-            self.state["restored"] = ok
+            folder, done, which = self.restore_point(trainer)
+            load_named_weights(trainer, folder)
+            self.state["restored"] = done
             self._write(trainer)
-            return f"{message}; the run ends with the weights of iteration {ok}, the last check at which every signal held"
+            return f"{message}; the run ends with the weights of iteration {done}, {which}"
         return message
+
+    def restore_point(self, trainer) -> tuple:
+        """(folder, iteration, why) of the weights a trigger restores: the held-out evaluation's best point where it
+        comes no later than the last check at which every signal held (weights both validated and unhacked), else
+        that check's weights."""
+        ok, run = self.state.get("ok_iteration", 0), trainer.run_dir
+        monitor = next((c for c in trainer.callbacks if isinstance(c, HeldOutMonitor)), None)
+        best = monitor.best if monitor is not None else None
+        if best and trainer.cfg.log.keep_best and best["iteration"] <= ok and (run / "checkpoints" / "best").is_dir():
+            return (run / "checkpoints" / "best", best["iteration"],
+                    f"the best held-out point ({best['metric']} {best['value']:.4f}) at or before iteration {ok}, the "
+                    f"last check at which every signal held")
+        return run / "checkpoints" / "guard_ok", ok, "the last check at which every signal held"
 
     # ---------------------------------------------------------------- the measurement
     def prompts(self, trainer) -> list[str]:
@@ -337,7 +350,9 @@ class RewardHackingGuard(Callback):
         out = {}
         for name, values in scores.components.items():
             v = values[torch.isfinite(values)].double()
-            out[name] = (float(v.mean()) if len(v) else float("nan"), float(v.std(correction=0)) if len(v) > 1 else 0.0)
+            # (mean, standard error of the mean)
+            out[name] = (float(v.mean()) if len(v) else float("nan"),
+                         float(v.std(correction=1)) / len(v) ** 0.5 if len(v) > 1 else 0.0)
         return out
 
     def _write(self, trainer) -> None:

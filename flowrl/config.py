@@ -395,8 +395,8 @@ class GuardConfig(Section):
     seeds: list[int] = opt([0, 1, 2, 3], "seeds per prompt (diversity compares one prompt's samples)")
     watched: list[RewardSpec] = opt([], "rewards the run does not train on, each watched against its starting value "
                                     "(a PickScore run: hpsv2, imagereward, aesthetic, clip)")
-    watched_tolerance: float = opt(1.0, "a watched reward may fall this many of its starting standard deviations "
-                                   "(over the guard's samples)", lo=0.0, lo_open=True)
+    watched_tolerance: float = opt(3.0, "a watched reward may fall this many standard errors of its starting mean "
+                                   "(the spread of the guard's samples / sqrt(their number))", lo=0.0, lo_open=True)
     diversity_embedder: str = opt("", "a vision backbone for diversity (a folder or hub id of a transformers image "
                                   "model, as GARDO's); empty: the images downsampled to 32 x 32")
     diversity_drop: float = opt(0.5, "diversity may fall to (1 - this) of its start", lo=0.0, hi=1.0)
@@ -405,7 +405,8 @@ class GuardConfig(Section):
     drift: float = opt(0.15, "mean brightness, saturation and the dark / blown-out fractions may move this much "
                        "(absolute, on a 0..1 scale)", lo=0.0, lo_open=True)
     on_trigger: str = opt("warn", "warn (one line, the run goes on), stop, or restore_best (stop with the weights of "
-                          "the last check at which every signal held)", choices=["warn", "stop", "restore_best"])
+                          "the last check at which every signal held, or the held-out best point before it)",
+                          choices=["warn", "stop", "restore_best"])
 
 
 class Config(Section):

@@ -3,7 +3,7 @@ held-out prompts at fixed seeds (ODE, the evaluation grid) and four kinds of sig
 at the start of the run:
 
 - **watched rewards**: rewards the run does not train on (``guard.watched``); a fall of more than
-  ``guard.watched_tolerance`` starting standard deviations (of the guard's samples) triggers;
+  ``guard.watched_tolerance`` standard errors of the starting mean (over the guard's samples) triggers;
 - **diversity**: the mean pairwise distance between the embeddings of one prompt's samples (a vision backbone,
   ``guard.diversity_embedder``, else the images downsampled to 32 x 32), averaged over prompts; a fall to less than
   ``1 - guard.diversity_drop`` of the start triggers;
@@ -14,8 +14,8 @@ at the start of the run:
   pixels; a move of more than ``guard.drift`` (absolute, on a 0..1 scale) triggers.
 
 ``guard.on_trigger`` says what a trigger does: ``warn`` (one line, the run goes on), ``stop``, or ``restore_best``
-(stop and end the run with the weights of the last check at which every signal held, kept in
-checkpoints/guard_ok). Every value is in metrics.jsonl (``guard/...``) and the trackers, and guard.png draws them.
+(stop and end the run with the held-out evaluation's best weights where they come no later than the last check at
+which every signal held, else that check's weights, kept in checkpoints/guard_ok). Every value is in metrics.jsonl (``guard/...``) and the trackers, and guard.png draws them.
 This module measures; :class:`flowrl.callbacks.RewardHackingGuard` runs the checks during training.
 """
 
@@ -104,12 +104,12 @@ DRIFT = ("brightness", "saturation", "dark_fraction", "blown_fraction")
 def violations(now: dict, start: dict, g) -> list[str]:
     """One phrase per signal outside its tolerance (empty: every signal held)."""
     out = []
-    for name, (value, spread) in now.get("watched", {}).items():
-        s_value, s_spread = start["watched"][name]
-        allowed = g.watched_tolerance * max(s_spread, 1e-6)
+    for name, (value, _) in now.get("watched", {}).items():
+        s_value, s_error = start["watched"][name]
+        allowed = g.watched_tolerance * max(s_error, 1e-6)
         if s_value - value > allowed:
             out.append(f"watched reward {name} fell {s_value - value:.4g} (from {s_value:.4g} to {value:.4g}; "
-                       f"tolerance {allowed:.4g} = {g.watched_tolerance} starting std)")
+                       f"tolerance {allowed:.4g} = {g.watched_tolerance} standard errors of the start)")
     if start["diversity"] > 0 and now["diversity"] < (1 - g.diversity_drop) * start["diversity"]:
         out.append(f"diversity fell to {now['diversity'] / start['diversity']:.0%} of its start ({start['diversity']:.4g} "
                    f"-> {now['diversity']:.4g}; tolerance: {1 - g.diversity_drop:.0%})")

@@ -77,11 +77,11 @@ def test_each_signal_triggers_past_its_tolerance_and_not_before():
     start = {"period": 16, "artifacts": 0.1, "diversity": 0.2, "brightness": 0.5, "saturation": 0.4,
              "dark_fraction": 0.0, "blown_fraction": 0.0, "watched": {"hpsv2": (0.30, 0.01)}}
     assert violations(start, start, g) == []
-    inside = dict(start, artifacts=0.55, diversity=0.11, brightness=0.64, watched={"hpsv2": (0.291, 0.01)})
+    inside = dict(start, artifacts=0.55, diversity=0.11, brightness=0.64, watched={"hpsv2": (0.271, 0.01)})
     assert violations(inside, start, g) == []
     for change, word in ((dict(artifacts=0.7), "periodic artifacts"), (dict(diversity=0.09), "diversity"),
                          (dict(brightness=0.66), "brightness"), (dict(dark_fraction=0.2), "dark fraction"),
-                         (dict(watched={"hpsv2": (0.285, 0.01)}), "watched reward hpsv2")):
+                         (dict(watched={"hpsv2": (0.269, 0.01)}), "watched reward hpsv2")):
         (problem,) = violations(dict(start, **change), start, g)
         assert problem.startswith(word), problem
 

@@ -1,9 +1,9 @@
 """What every algorithm module shares: :class:`Algorithm` (the hooks every method has, with neutral defaults),
 option pieces, the unit of gradient work, and the context an algorithm may use to choose prompts.
 
-Two kinds of algorithm build on :class:`Algorithm` as siblings: :class:`~flowrl.algorithms.transition.
-TransitionAlgorithm` (the loss is over the sampler's trained transitions, through their log-probabilities) and
-:class:`~flowrl.algorithms.forward_process.ForwardProcessAlgorithm` (the clean samples are re-noised and the loss
+Two kinds of algorithm build on :class:`Algorithm` as siblings:
+:class:`~flowrl.algorithms.transition.TransitionAlgorithm` (the loss is over the sampler's trained transitions,
+through their log-probabilities) and :class:`~flowrl.algorithms.forward_process.ForwardProcessAlgorithm` (the clean samples are re-noised and the loss
 is on the velocity there). A method that fits neither (reward backpropagation) subclasses :class:`Algorithm`.
 """
 
@@ -138,8 +138,9 @@ def declares(options: type, field: str) -> bool:
 class Algorithm:
     """What every algorithm has: its options, its checks, the prompts it rolls out, the rewards-to-advantages rule,
     the edges it trains, its objective and its resumable state. Each hook has a neutral default; a kind
-    (:class:`~flowrl.algorithms.transition.TransitionAlgorithm`, :class:`~flowrl.algorithms.forward_process.
-    ForwardProcessAlgorithm`) or a method overrides what makes it different.
+    (:class:`~flowrl.algorithms.transition.TransitionAlgorithm`,
+    :class:`~flowrl.algorithms.forward_process.ForwardProcessAlgorithm`) or a method overrides what makes it
+    different.
 
     Per iteration the trainer calls, in this order:
 

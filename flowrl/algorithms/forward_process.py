@@ -104,9 +104,11 @@ class ForwardProcessAlgorithm(Algorithm):
         """Per-sample loss (B,) of one re-noised micro-batch (the objective adds the KL term).
 
         Args:
-            x0, x_t: (B, *latent) the clean samples and their re-noised states.
+            x0: (B, *latent) the clean samples.
+            x_t: (B, *latent) their re-noised states.
             t: (B,) the sigmas.
-            v_theta: (B, *latent) the policy's velocity (with its graph); v_old: the old copy's, or None.
+            v_theta: (B, *latent) the policy's velocity (with its graph).
+            v_old: (B, *latent) the old copy's velocity, or None.
             adv: (B,) the samples' advantages.
         """
         raise NotImplementedError(f"{type(self).__name__} must define forward_process_loss()")
