@@ -93,13 +93,16 @@ class PipelineAdapter:
     context_parallel_splits_text = False  # the context-parallel plan splits the text tokens as well as the image's
     video = False  # latents carry a frame axis (C, F, H, W)
 
+    tiny_patch_pixels: int | None = None  # pixels per latent patch of the tiny model (None: model.tiny's patch x VAE)
+    real_patch_pixels = 16  # a real checkpoint's: the VAE's 8 x 2 x 2 patches
+
     @classmethod
     def resolution_multiple(cls, model_cfg) -> int:
         """``model.resolution`` must be a multiple of this: the pixels per latent patch (VAE downsampling x the
-        transformer's patch). Here: the tiny model's patch x its VAE's 2, and 8 x 2 for a real checkpoint."""
+        transformer's patch), ``tiny_patch_pixels`` / ``real_patch_pixels``."""
         if model_cfg.pretrained in (None, "", "tiny"):
-            return model_cfg.tiny.patch_size * (2 if model_cfg.tiny.vae else 1)
-        return 16
+            return cls.tiny_patch_pixels or model_cfg.tiny.patch_size * (2 if model_cfg.tiny.vae else 1)
+        return cls.real_patch_pixels
 
     @classmethod
     def context_parallel_plan(cls) -> dict | None:
@@ -149,6 +152,11 @@ class PipelineAdapter:
     def memory_text_tokens(cls, model_cfg) -> int:
         """Text tokens per prompt a real checkpoint's transformer attends to."""
         return model_cfg.max_sequence_length
+
+    def image_seq_len(self, resolution: int) -> int:
+        """Image tokens per sample: the latent in 2 x 2 patches (a family with another patching overrides it)."""
+        _, h, w = self.latent_shape(resolution)
+        return (h // 2) * (w // 2)
 
     def patch_pixels(self, resolution: int) -> int:
         """Pixels per latent patch along a side of a square image: the period at which a patch-grid artifact shows

@@ -56,14 +56,10 @@ class FluxAdapter(PipelineAdapter):
     text_encoder_names = ("text_encoder", "text_encoder_2")
 
     tiny_builder = "build_tiny_flux_pipeline"
+    tiny_patch_pixels = 4  # the tiny VAE's 2x downsampling x 2 x 2 patches
     presets = FLUX_PRESETS
     family_options = ("guidance",)
     guidance = 3.5  # FLUX.1-dev's distilled guidance (model.guidance)
-
-    @classmethod
-    def resolution_multiple(cls, model_cfg) -> int:
-        """The VAE's downsampling (tiny: 2, real: 8) x 2 x 2 patches."""
-        return 4 if model_cfg.pretrained in (None, "", "tiny") else 16
 
     @classmethod
     def memory_latent_shape(cls, model_cfg, config: dict) -> tuple[int, ...]:
@@ -74,10 +70,6 @@ class FluxAdapter(PipelineAdapter):
     def latent_shape(self, resolution: int) -> tuple[int, int, int]:
         f = self.vae_factor()
         return (self.transformer.config.in_channels // 4, resolution // f, resolution // f)
-
-    def image_seq_len(self, resolution: int) -> int:
-        _, h, w = self.latent_shape(resolution)
-        return (h // 2) * (w // 2)
 
     def default_sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
         return self.linspace_shifted_sigmas(num_steps, resolution)

@@ -38,17 +38,13 @@ class Flux2Adapter(PipelineAdapter):
     text_encoder_names = ("text_encoder",)
 
     tiny_builder = "build_tiny_flux2_pipeline"
+    tiny_patch_pixels = 4  # the tiny VAE's 2x downsampling x 2 x 2 patches
     presets = FLUX2_PRESETS
     pipeline_class_name = "DiffusionPipeline"  # FLUX.2 [dev] or [klein]: the checkpoint's model_index.json decides
     pipeline_label = "Flux2Pipeline` / `Flux2KleinPipeline"  # what the docs' family matrix shows
     family_options = ("guidance",)
     guidance = 4.0  # FLUX.2 [dev]'s guidance embedding (model.guidance); klein has none
     text_encoder_out_layers: tuple[int, ...] | None = None  # None: the pipeline's default layers
-
-    @classmethod
-    def resolution_multiple(cls, model_cfg) -> int:
-        """The VAE's downsampling (tiny: 2, real: 8) x 2 x 2 patches."""
-        return 4 if model_cfg.pretrained in (None, "", "tiny") else 16
 
     @classmethod
     def memory_latent_shape(cls, model_cfg, config: dict) -> tuple[int, ...]:

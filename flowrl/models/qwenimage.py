@@ -32,13 +32,9 @@ class QwenImageAdapter(PipelineAdapter):
     variable_length = True
 
     tiny_builder = "build_tiny_qwenimage_pipeline"
+    tiny_patch_pixels = 4  # the tiny VAE's 2x downsampling x 2 x 2 patches
     tiny_sequence_length = False  # the pipeline keeps a prompt template ahead of the prompt
     presets = QWEN_PRESETS
-
-    @classmethod
-    def resolution_multiple(cls, model_cfg) -> int:
-        """The VAE's downsampling (tiny: 2, real: 8) x 2 x 2 patches."""
-        return 4 if model_cfg.pretrained in (None, "", "tiny") else 16
 
     @classmethod
     def memory_latent_shape(cls, model_cfg, config: dict) -> tuple[int, ...]:
@@ -52,10 +48,6 @@ class QwenImageAdapter(PipelineAdapter):
     def latent_shape(self, resolution: int) -> tuple[int, int, int]:
         f = self.vae_factor()
         return (self.vae.config.z_dim, resolution // f, resolution // f)
-
-    def image_seq_len(self, resolution: int) -> int:
-        _, h, w = self.latent_shape(resolution)
-        return (h // 2) * (w // 2)
 
     def default_sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
         return self.linspace_shifted_sigmas(num_steps, resolution)

@@ -38,16 +38,12 @@ class WanAdapter(PipelineAdapter):
     text_encoder_names = ("text_encoder",)
 
     tiny_builder = "build_tiny_wan_pipeline"
+    tiny_patch_pixels = 4  # the tiny VAE's 2x downsampling x 2 x 2 patches
     presets = WAN_PRESETS
     family_options = ("num_frames", "train_expert", "low_noise_guidance_scale")
     num_frames = 17  # model.num_frames: 4k + 1 for the 4x temporal VAE
     train_expert = "high_noise"  # Wan 2.2: which expert the policy trains
     low_noise_guidance_scale = None  # Wan 2.2: the low-noise expert's CFG scale (None: the sampler's)
-
-    @classmethod
-    def resolution_multiple(cls, model_cfg) -> int:
-        """The VAE's downsampling (tiny: 2, real: 8) x 2 x 2 patches."""
-        return 4 if model_cfg.pretrained in (None, "", "tiny") else 16
 
     @classmethod
     def memory_latent_shape(cls, model_cfg, config: dict) -> tuple[int, ...]:

@@ -30,12 +30,8 @@ class ZImageAdapter(PipelineAdapter):
     text_encoder_names = ("text_encoder",)
     variable_length = True  # the pipeline keeps each prompt's real tokens only
     tiny_builder = "build_tiny_zimage_pipeline"
+    tiny_patch_pixels = 4  # the tiny VAE's 2x downsampling x 2 x 2 patches
     presets = ZIMAGE_PRESETS
-
-    @classmethod
-    def resolution_multiple(cls, model_cfg) -> int:
-        """The VAE's downsampling (tiny: 2, real: 8) x the transformer's 2 x 2 patches."""
-        return 4 if model_cfg.pretrained in (None, "", "tiny") else 16
 
     @classmethod
     def memory_heads(cls, config: dict) -> tuple[int, int]:
@@ -62,10 +58,6 @@ class ZImageAdapter(PipelineAdapter):
     def latent_shape(self, resolution: int) -> tuple[int, int, int]:
         f = self.vae_factor()
         return (self.transformer.config.in_channels, resolution // f, resolution // f)
-
-    def image_seq_len(self, resolution: int) -> int:
-        _, h, w = self.latent_shape(resolution)
-        return (h // 2) * (w // 2)
 
     def default_sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
         return self.linspace_shifted_sigmas(num_steps, resolution)
