@@ -246,7 +246,7 @@ def test_sharded_run_killed_mid_save_resumes_and_equals_the_whole_run(tmp_path, 
 BAD_LAUNCHES = [
     ("tiny_flow_grpo.yaml", "train.fsdp.shard_size=3", "train.fsdp.shard_size=3: 2 processes cannot be split"),
     ("tiny_flow_grpo.yaml", "train.fsdp.cpu_offload=true", "train.fsdp.cpu_offload: moves the shards from a GPU"),
-    ("tiny_flow_grpo.yaml", "train.context_parallel.ulysses=2", "no context-parallel plan for the sd3 transformer"),
+    ("tiny_flow_grpo.yaml", "train.context_parallel.ulysses=2", "the sd3 family's transformer has no context-parallel plan; use one of flux, flux2, qwenimage, wan"),
     ("tiny_flux_branch_grpo.yaml", "train.context_parallel.ulysses=3", "= 3 does not divide the 2 processes"),
 ]
 
