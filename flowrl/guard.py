@@ -10,8 +10,9 @@ at the start of the run:
 - **periodic artifacts**: the power of the decoded images' spectrum at the model's patch period (the family's
   pixels per latent patch) and its harmonics over that of the neighbouring frequencies, as a log ratio averaged over
   both axes and the images (0: no peak); a rise of more than ``guard.artifact_rise`` triggers;
-- **image drift**: mean brightness, mean saturation and the fractions of dark (< 0.05) and blown-out (> 0.95)
-  pixels; a move of more than ``guard.drift`` (absolute, on a 0..1 scale) triggers.
+- **image drift**: mean brightness, mean saturation and the soft fractions of dark and blown-out pixels (a pixel
+  counts fully at gray 0 / 1 and not at all past 0.1 / 0.9, linearly between); a move of more than ``guard.drift``
+  (absolute, on a 0..1 scale) triggers.
 
 ``guard.on_trigger`` says what a trigger does: ``warn`` (one line, the run goes on), ``stop``, or ``restore_best``
 (stop and end the run with the held-out evaluation's best weights where they come no later than the last check at
@@ -89,13 +90,23 @@ def diversity(embeddings: torch.Tensor, groups: int) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+# Gray levels over which a pixel goes from fully dark (0) to not dark (0.1), and from not blown-out (0.9) to fully
+# blown-out (1). A hard threshold turns a flat background that sits near it (a rendered black at 0.059, a white at
+# 0.96) into a count that jumps between 0 and the background's whole area when the gray level moves by 0.01; the ramp
+# moves the count in proportion to the gray level's move.
+EDGE_RAMP = 0.1
+
+
 def image_drift(images: torch.Tensor) -> dict[str, float]:
-    """Mean brightness (gray level), mean saturation (max - min over the channels) and the dark (< 0.05) and
-    blown-out (> 0.95) pixel fractions of (N, 3, H, W) or (N, F, 3, H, W) images in [0, 1]."""
+    """Mean brightness (gray level), mean saturation (max - min over the channels) and the soft dark and blown-out
+    pixel fractions (each pixel weighted 1 at gray 0 / 1, 0 past ``EDGE_RAMP`` from it, linearly between) of
+    (N, 3, H, W) or (N, F, 3, H, W) images in [0, 1]."""
     x = frames_of(images).clamp(0, 1)
-    gray = x.mean(1)
+    gray = x.mean(1)  # (M, H, W)
+    dark = ((EDGE_RAMP - gray) / EDGE_RAMP).clamp(0, 1)
+    blown = ((gray - (1 - EDGE_RAMP)) / EDGE_RAMP).clamp(0, 1)
     return {"brightness": float(gray.mean()), "saturation": float((x.max(1).values - x.min(1).values).mean()),
-            "dark_fraction": float((gray < 0.05).float().mean()), "blown_fraction": float((gray > 0.95).float().mean())}
+            "dark_fraction": float(dark.mean()), "blown_fraction": float(blown.mean())}
 
 
 DRIFT = ("brightness", "saturation", "dark_fraction", "blown_fraction")

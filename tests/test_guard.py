@@ -70,6 +70,10 @@ def test_image_drift_by_hand():
     assert d["brightness"] == pytest.approx((8 * 1 / 3 + 4 * 1.0) / 16)
     assert d["saturation"] == pytest.approx(8 / 16)
     assert d["dark_fraction"] == pytest.approx(4 / 16) and d["blown_fraction"] == pytest.approx(4 / 16)
+    # the soft edge: gray 0.05 counts half dark, 0.1 not at all; 0.95 half blown-out
+    for gray, dark, blown in ((0.05, 0.5, 0.0), (0.1, 0.0, 0.0), (0.025, 0.75, 0.0), (0.95, 0.0, 0.5), (0.9, 0.0, 0.0)):
+        d = image_drift(torch.full((1, 3, 2, 2), gray))
+        assert (d["dark_fraction"], d["blown_fraction"]) == (pytest.approx(dark), pytest.approx(blown)), gray
 
 
 def test_each_signal_triggers_past_its_tolerance_and_not_before():
