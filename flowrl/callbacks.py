@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from . import report
 from .checkpoint import load_full_into, load_lora_into, save_checkpoint
+from .editing import prepend_sources
 from .errors import ConfigError, FlowRLError
 from .guard import diversity, flat, image_drift, periodic_artifact_score, pixel_embeddings, violations
 
@@ -174,8 +175,12 @@ class HeldOutMonitor(Callback):
                 f"   {label} {data.get('before', {}).get(key, float('nan')):{fmt}} -> "
                 f"{result.get(key, float('nan')):{fmt}}"
                 for key, label, fmt in getattr(self.evaluator, "title_numbers", ()) if key in result)
-            report.save_grid(report.side_by_side(before, grid, cols), 2 * cols, run_dir / "before_after.png",
-                             row_labels=labels, title=title)
+            pair = report.side_by_side(before, grid, cols)
+            shown = prepend_sources(pair, labels, 2 * cols)  # edit requests: source | before | after
+            if shown is not pair:
+                title = title.replace("held-out prompts: left before | right after", "held-out edits: source | before | after")
+            report.save_grid(shown, shown.shape[0] // len(labels), run_dir / "before_after.png", row_labels=labels,
+                             title=title)
         return result
 
     def curve_point(self, trainer, done: int) -> str | None:

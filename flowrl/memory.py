@@ -155,7 +155,9 @@ def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
     def velocity(model):
         shell.transformer = model
         x = torch.randn(1, *shape)
-        cond = PromptEmbeds(torch.randn(1, text_tokens, text_dim), torch.randn(1, pooled))
+        # an editing family's source images: more image tokens in every call
+        sources = torch.randn(1, adapter_cls.max_sources, *shape) if adapter_cls.edits else None
+        cond = PromptEmbeds(torch.randn(1, text_tokens, text_dim), torch.randn(1, pooled), None, sources)
         shell._forward(x, torch.full((1,), 0.5), cond)
 
     def measure(blocks: dict[str, int]) -> int:
@@ -176,7 +178,8 @@ def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
     rows = (1 if t.micro_batch == "auto" else t.micro_batch) * cfg_double
     precision = 0.5 if t.mixed_precision in ("bf16", "fp16") else 1.0
     if t.gradient_checkpointing:
-        tokens = math.prod(shape[1:]) // 4 + text_tokens  # each block's saved input: (tokens, width), upper bound
+        images = 1 + (adapter_cls.max_sources if adapter_cls.edits else 0)  # the noisy image and any sources
+        tokens = math.prod(shape[1:]) // 4 * images + text_tokens  # each block's saved input: (tokens, width), bound
         width = heads_full * head_dim
         body = max(per_block.values()) * scale + sum(counts.values()) * tokens * width * 4
     else:

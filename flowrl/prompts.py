@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from .editing import edit_prompt_from_row, remember_image
 from .errors import ConfigError
 
 DEFAULT_TINY_PROMPTS = [
@@ -29,8 +30,21 @@ def prompt_set(name: str) -> list[str]:
     return list(PROMPT_SETS.resolve(name)())
 
 
+SOURCE_FIELDS = ("source", "sources")  # a data row's source image(s): the row is an edit request
+PATH_FIELDS = (*SOURCE_FIELDS, "mask")  # image paths a prompt file's rows give relative to its folder
+
+
+def _beside(path: Path, value):
+    """Source keys relative to the prompt file's folder (schemes and absolute paths as they are)."""
+    if isinstance(value, str):
+        return value if ":" in value or Path(value).is_absolute() else str(path.parent / value)
+    return [_beside(path, v) for v in value] if isinstance(value, list) else value
+
+
 def read_prompt_file(path: str | Path) -> tuple[list[str], list[dict]]:
-    """.txt: one prompt per line; .jsonl: objects with a 'prompt' field (the rest is metadata)."""
+    """.txt: one prompt per line; .jsonl: objects with a 'prompt' field (the rest is metadata). A row with a
+    ``source`` (an image path, relative to the file's folder) or ``sources`` (a list) is an edit request
+    (:class:`flowrl.editing.EditPrompt`)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"data.prompt_file: file not found: {path}")
@@ -49,8 +63,10 @@ def read_prompt_file(path: str | Path) -> tuple[list[str], list[dict]]:
                 raise ConfigError(f"{path}:{n}: not valid JSON ({exc.msg})") from exc
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
                 raise ConfigError(f"{path}:{n}: each line must be an object with a string 'prompt' field")
-            prompts.append(obj["prompt"])
-            meta.append({k: v for k, v in obj.items() if k != "prompt"})
+            # a relative source path is read from the prompt file's folder
+            obj = {k: (_beside(path, v) if k in PATH_FIELDS else v) for k, v in obj.items()}
+            prompts.append(edit_prompt_from_row(obj["prompt"], obj, f"{path}:{n}"))
+            meta.append({k: v for k, v in obj.items() if k != "prompt" and k not in SOURCE_FIELDS})
     else:
         prompts = [line.strip() for line in text.splitlines() if line.strip()]
         meta = [{} for _ in prompts]
@@ -127,7 +143,7 @@ def _read_dataset(datasets, name: str, split: str, prompt_column: str, metadata_
     if prompt_column not in columns:
         raise ConfigError(f"data.prompt_column: {name} has no column {prompt_column!r} (its columns: "
                           f"{', '.join(columns)})")
-    keep = list(metadata_columns or [c for c in columns if c != prompt_column])
+    keep = list(metadata_columns or [c for c in columns if c != prompt_column and c not in SOURCE_FIELDS])
     missing = [c for c in keep if c not in columns]
     if missing:
         raise ConfigError(f"data.metadata_columns: {name} has no column {missing[0]!r} (its columns: "
@@ -137,7 +153,17 @@ def _read_dataset(datasets, name: str, split: str, prompt_column: str, metadata_
         raise ConfigError(f"data.dataset: every {prompt_column!r} must be a non-empty string in {name}")
     meta_columns = {c: table[c] for c in keep}
     metadata = [{c: meta_columns[c][i] for c in keep} for i in range(len(prompts))]
-    return list(prompts), metadata
+    source_column = next((c for c in SOURCE_FIELDS if c in columns), None)
+    if source_column is None:
+        return list(prompts), metadata
+    # an image column holds decoded images (kept in memory under a digest key); a string column holds paths
+    where = f"data.dataset {name} column {source_column!r}"
+    requests = []
+    for i, (p, given) in enumerate(zip(prompts, table[source_column])):
+        keys = given if isinstance(given, list) else [given]
+        keys = [remember_image(k) if hasattr(k, "convert") else k for k in keys]
+        requests.append(edit_prompt_from_row(p, {"sources": keys}, f"{where} row {i}"))
+    return requests, metadata
 
 
 class PromptSource:

@@ -100,7 +100,7 @@ ALGORITHMS = Registry("algorithm.name", {
 # model families (model.family): a ModelAdapter class with from_config(model_cfg, device)
 DEFAULT_FAMILY = "sd3"
 MODEL_FAMILIES = Registry("model.family", {
-    "sd3": "flowrl.models.sd3:SD3Adapter", "flux": "flowrl.models.flux:FluxAdapter",
+    "sd3": "flowrl.models.sd3:SD3Adapter", "flux": "flowrl.models.flux:FluxAdapter", "flux-kontext": "flowrl.models.flux_kontext:FluxKontextAdapter",
     "flux2": "flowrl.models.flux2:Flux2Adapter", "qwenimage": "flowrl.models.qwenimage:QwenImageAdapter",
     "wan": "flowrl.models.wan:WanAdapter", "zimage": "flowrl.models.zimage:ZImageAdapter",
 }, group="flowrl_model_families")
@@ -110,10 +110,16 @@ PROMPT_SETS = Registry("data.prompt_set", {
     "shapes-heldout": "flowrl.shapes.domain:heldout_prompts",
     "moving-shapes-train": "flowrl.shapes.moving:train_prompts",
     "moving-shapes-heldout": "flowrl.shapes.moving:heldout_prompts",
+    "shapes-edit-train": "flowrl.shapes.editing:train_edit_prompts",
+    "shapes-edit-heldout": "flowrl.shapes.editing:heldout_edit_prompts",
 }, group="flowrl_prompt_sets")
+# source images drawn by a renderer (an edit request's source key "scheme:spec"): a function(spec, size) -> RGB PIL
+SOURCE_SCHEMES = Registry("source image scheme", {"shapes": "flowrl.shapes.editing:render_source"},
+                          group="flowrl_source_schemes")
 # held-out evaluators (log.eval): a class built with no arguments, called as evaluator(sample_fn, seeds)
 EVALUATORS = Registry("log.eval", {"shapes": "flowrl.shapes.evaluate:ShapesEvaluator",
-                                   "moving-shapes": "flowrl.shapes.evaluate:MovingShapesEvaluator"},
+                                   "moving-shapes": "flowrl.shapes.evaluate:MovingShapesEvaluator",
+                                   "shapes-edit": "flowrl.shapes.editing:ShapesEditEvaluator"},
                       group="flowrl_evaluators")
 # command-line subcommands that plug-ins add: a function(subparsers) that adds them
 COMMANDS = Registry("command", {"shapes-demo": "flowrl.shapes.commands:add_commands"}, group="flowrl_commands")

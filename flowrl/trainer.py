@@ -24,6 +24,7 @@ from .checkpoint import (load_run_state, reference_checkpoints, resume_checkpoin
                          save_run_checkpoint)
 from .config import Config, iteration_seed
 from .distributed import Processes, ShardedSampler
+from .editing import check_prompts_fit, prepend_sources
 from .errors import FlowRLError, Stopped
 from .memory import run_micro_batch, saved_micro_batch
 from .models import load_adapter
@@ -122,6 +123,7 @@ class Trainer:
         algorithm = make_algorithm(cfg)
         algorithm.check_inputs(rewards, prompts)
         rewards.check_metadata(prompts.prompts, prompts.metadata)
+        check_prompts_fit(cfg, prompts.prompts)
         if cfg.train.fsdp.enabled:
             check_options(cfg, self.device, self.procs.processes)
         return prompts, rewards, evaluator, algorithm
@@ -239,8 +241,11 @@ class Trainer:
             images = self.eval_sampler(prompts, seeds)
         if not self.procs.is_main:
             return None
-        return report.save_grid(images, len(seeds), self.run_dir / "samples" / f"iter_{it:05d}.png", row_labels=prompts,
-                                title=f"iteration {it} (ODE, {cfg.sampler.eval_num_steps} steps; seeds {seeds})")
+        shown = prepend_sources(images, prompts, len(seeds))  # edit requests: the source first in each row
+        note = "; first column: the source" if shown is not images else ""
+        return report.save_grid(shown, shown.shape[0] // len(prompts), self.run_dir / "samples" / f"iter_{it:05d}.png",
+                                row_labels=prompts,
+                                title=f"iteration {it} (ODE, {cfg.sampler.eval_num_steps} steps; seeds {seeds}{note})")
 
     def save(self, it: int) -> Path:
         """Iteration ``it``'s checkpoint, complete on disk for every process when this returns."""

@@ -30,8 +30,12 @@ REWARDS = Registry("reward", {
     "videoalign": "flowrl.rewards.videoalign:VideoAlign",
     "clip": "flowrl.rewards.clip:ClipScore",
     "vlm_judge": "flowrl.rewards.vlm_judge:VLMJudge",
+    "preservation": "flowrl.rewards.preservation:Preservation",
+    "edit_gate": "flowrl.rewards.preservation:EditGate",
     # the shapes demo's, outside this package
     "shapes": "flowrl.shapes.reward:ShapesReward", "shapes_accuracy": "flowrl.shapes.reward:ShapesAccuracy",
+    "shapes_edit": "flowrl.shapes.editing:ShapesEditReward",
+    "shapes_edit_accuracy": "flowrl.shapes.editing:ShapesEditAccuracy",
     "moving_shapes": "flowrl.shapes.video_reward:MovingShapesReward",
     "moving_shapes_accuracy": "flowrl.shapes.video_reward:MovingShapesAccuracy",
 }, group="flowrl_rewards", error=RewardError)

@@ -9,6 +9,9 @@ Each image goes out as a base64 PNG inside one user message with the question; t
   own);
 - ``template: yes_no`` asks a yes/no question (GenEval-style: ``metadata["question"]``, else "Does this image show
   {prompt}?"); yes scores 1, no scores 0;
+- ``template: edit`` judges an edit: the message holds the edit request's source image first and the result
+  second, and asks for a 1-10 score of how well the result carries out the instruction while keeping the rest of
+  the source (divided by ``scale``, 10);
 - any other string is a template of its own, with ``{prompt}`` (and ``{question}``) filled in, parsed as a score.
 
 Requests run ``max_concurrency`` at a time, each with a ``timeout`` and ``retries`` (growing pauses) on connection
@@ -40,6 +43,11 @@ TEMPLATES = {
                 "the prompt and how good it looks, from 1 (worst) to 10 (best). Answer with the score only, as "
                 "\"Score: N\"."),
     "yes_no": "{question} Answer with yes or no only.",
+    # image editing: the judge sees the source first and the result second
+    "edit": ("The first image is the original. The second image is the result of editing it with the instruction: "
+             "\"{prompt}\". Rate from 1 (not done at all) to 10 (done exactly, with everything the instruction does "
+             "not mention kept as in the original) how well the second image carries out the instruction. Answer "
+             "with the score only, as \"Score: N\"."),
 }
 
 
@@ -79,8 +87,8 @@ class VLMJudge:
     """Args:
         url: the server's OpenAI-compatible base, e.g. ``http://127.0.0.1:8000/v1``.
         model: the served model's name.
-        template: ``quality``, ``yes_no`` or a template string with ``{prompt}`` / ``{question}``.
-        scale: scores are divided by it (``quality``: 10).
+        template: ``quality``, ``yes_no``, ``edit`` or a template string with ``{prompt}`` / ``{question}``.
+        scale: scores are divided by it (``quality`` and ``edit``: 10).
         max_concurrency: requests in flight at once.
         timeout: seconds per request.
         retries: further tries after a connection error, a time-out or a 5xx answer.
@@ -101,9 +109,10 @@ class VLMJudge:
         self.model, self.template_name = model, template
         self.template = TEMPLATES.get(template, template)
         self.parse = parse_yes_no if template == "yes_no" else parse_score
-        self.scale = scale if scale is not None else (10.0 if template == "quality" else 1.0)
+        self.scale = scale if scale is not None else (10.0 if template in ("quality", "edit") else 1.0)
+        self.shows_source = template == "edit"  # the request's source image goes first
         # the numbers an answer may give (the template's own scale); outside it the answer fails like an unreadable one
-        default_range = {"quality": (1.0, 10.0), "yes_no": (0.0, 1.0)}.get(template)
+        default_range = {"quality": (1.0, 10.0), "edit": (1.0, 10.0), "yes_no": (0.0, 1.0)}.get(template)
         self.answer_range = tuple(answer_range) if answer_range is not None else default_range
         if self.answer_range is not None and (len(self.answer_range) != 2 or self.answer_range[0] > self.answer_range[1]):
             raise RewardError(f"vlm_judge: answer_range must be [low, high] with low <= high, not {answer_range!r}")
@@ -141,9 +150,14 @@ class VLMJudge:
 
     def judge(self, image: torch.Tensor, prompt: str, meta: dict) -> float:
         """One image's score (NaN when masked)."""
+        images = [image]
+        if self.shows_source:  # an edit: the source (resized to the result's size) before the result
+            from flowrl.editing import source_tensor
+
+            images = [source_tensor([prompt], image.shape[-1])[0], image]
         message = {"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_base64(image)}"}},
-            {"type": "text", "text": self.question(prompt, meta)}]}
+            *({"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_base64(x)}"}} for x in images),
+            {"type": "text", "text": self.question(str(prompt), meta)}]}
         body = json.dumps({"model": self.model, "messages": [message], "max_tokens": self.max_tokens,
                            "temperature": self.temperature}).encode()
         try:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flowrl.config import load_config
+from flowrl.editing import EditPrompt
 from flowrl.models import load_adapter
 from flowrl.sampling import Sampler, sample_images, sigmas_for
 
@@ -20,7 +21,18 @@ FAMILIES = {
     "flux2": ["model.family=flux2", "model.resolution=32", "model.tiny.resolution=32"],
     "wan": ["model.family=wan", "model.resolution=32", "model.tiny.resolution=32", "model.num_frames=5"],
     "zimage": ["model.family=zimage", "model.resolution=32", "model.tiny.resolution=32"],
+    # an editing family: the shapes edit requests (their sources render offline)
+    "flux-kontext": ["model.family=flux-kontext", "model.resolution=32", "model.tiny.resolution=32",
+                     "data.prompt_set=shapes-edit-train"],
 }
+EDIT_PROMPTS = [EditPrompt("make the shape red", ["shapes:a green circle on a blue background#3"]),
+                EditPrompt("make the background white", ["shapes:a red square on a black background#5"])]
+
+
+def prompts_of(family_or_adapter) -> list[str]:
+    """Two prompts the family takes: edit requests for an editing family, captions otherwise."""
+    family = getattr(family_or_adapter, "family", family_or_adapter)
+    return EDIT_PROMPTS if family == "flux-kontext" else PROMPTS
 REWARD = {f: "rewards=[{name: 'tests.helpers:brightness'}]" for f in FAMILIES}
 REWARD["wan"] = "rewards=[{name: video_frames, args: {reward: 'tests.helpers:brightness'}}]"  # videos (N, F, 3, H, W)
 # each algorithm's own options, sized for a 4-step tiny run
@@ -176,6 +188,32 @@ def test_zimage_first_sde_step_mean_equals_the_pipeline_transformers():
     assert torch.allclose(ours.mean, theirs.mean, atol=1e-6), (ours.mean - theirs.mean).abs().max()
 
 
+def test_flux_kontext_rollout_equals_flux_kontext_pipeline():
+    """Noise off, the same source image (a PNG file) and instruction: FluxKontextPipeline's images (at
+    model.resolution, no auto-resize), for two sources; another source changes the result."""
+    from PIL import Image
+
+    from flowrl.editing import load_source
+    from flowrl.models.flux import pack
+
+    cfg = family_cfg("flux-kontext")
+    adapter = load_adapter(cfg.model)
+    shape = adapter.latent_shape(32)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(3))[None]
+    sig = sigmas_for(cfg, adapter, 4)
+    results = []
+    for request in EDIT_PROMPTS:
+        ours = sample_images(adapter, [request], [3], sig, shape)
+        image = load_source(request.sources[0], 32)
+        ref = adapter.pipe(prompt=str(request), image=image, height=32, width=32, max_area=32 * 32,
+                           _auto_resize=False, num_inference_steps=4, latents=pack(noise), guidance_scale=3.5,
+                           output_type="pt", max_sequence_length=adapter.max_sequence_length).images
+        assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+        results.append(ours)
+    swapped = sample_images(adapter, [EditPrompt(str(EDIT_PROMPTS[0]), EDIT_PROMPTS[1].sources)], [3], sig, shape)
+    assert (swapped - results[0]).abs().max() > 1e-4  # the source conditions the result
+
+
 def test_wan_rollout_equals_wan_pipeline():
     """Videos: noise off, WanPipeline's frames (B, F, 3, H, W), with and without its CFG."""
     cfg = family_cfg("wan")
@@ -319,11 +357,12 @@ def trained_lora_velocities(tmp_path, cfg, sigma, **load_kwargs):
     assert isinstance(fresh.pipe, getattr(diffusers, ours.pipeline_class_name))
     fresh.pipe.load_lora_weights(str(run / "checkpoints" / "iter_00001"), **load_kwargs)
     x = torch.randn((len(sigma), *ours.latent_shape(cfg.model.resolution)), generator=torch.Generator().manual_seed(0))
-    cond = ours.encode_prompts(PROMPTS[: len(sigma)])
+    prompts = prompts_of(ours)[: len(sigma)]
+    cond = ours.encode_prompts(prompts)
     with torch.no_grad():
         ours.transformer.eval()
         v_ours = ours.velocity(x, sigma, cond)
-        v_pipe = fresh.velocity(x, sigma, fresh.encode_prompts(PROMPTS[: len(sigma)]))
+        v_pipe = fresh.velocity(x, sigma, fresh.encode_prompts(prompts))
         v_base = load_adapter(cfg.model).velocity(x, sigma, cond)
     return v_ours, v_pipe, v_base
 
@@ -349,7 +388,7 @@ def test_text_encoders_on_the_cpu_and_vae_tiling(family):
     ad = load_adapter(cfg.model)
     assert ad.text_device == torch.device("cpu") and ad.pipe.text_encoder.device == torch.device("cpu")
     assert ad.vae is None or (ad.vae.use_tiling and ad.vae.use_slicing)
-    a, b = base.encode_prompts(PROMPTS), ad.encode_prompts(PROMPTS)
+    a, b = base.encode_prompts(prompts_of(family)), ad.encode_prompts(prompts_of(family))
     assert torch.equal(a.embeds, b.embeds) and torch.equal(a.pooled, b.pooled)
 
 

@@ -31,10 +31,11 @@ class Judge(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         content = body["messages"][0]["content"]
         text = next(c["text"] for c in content if c["type"] == "text")
-        url = next(c["image_url"]["url"] for c in content if c["type"] == "image_url")
+        urls = [c["image_url"]["url"] for c in content if c["type"] == "image_url"]
         from PIL import Image
 
-        image = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))))
+        shown = [np.asarray(Image.open(io.BytesIO(base64.b64decode(u.split(",", 1)[1])))).astype(float) for u in urls]
+        image = shown[0]
         with Judge.lock:
             Judge.in_flight += 1
             Judge.most_in_flight = max(Judge.most_in_flight, Judge.in_flight)
@@ -53,6 +54,8 @@ class Judge(BaseHTTPRequestHandler):
             return
         if "yes or no" in text:
             answer = "Yes." if image.mean() > 127 else "no"
+        elif "result of editing" in text:  # an edit: how far the second image is from the first
+            answer = f"Score: {round(np.abs(shown[1] - shown[0]).mean() / 255 * 9) + 1}"
         elif "rambling" in text:
             answer = "It is hard to say, maybe 3 or 4 out of 10"
         else:
@@ -129,3 +132,18 @@ def test_concurrency_is_bounded(server):
     start = time.perf_counter()
     judge(grey(0.5, 12), ["a"] * 12, [{}] * 12)
     assert Judge.most_in_flight == 3 and time.perf_counter() - start >= 4 * 0.05
+
+
+def test_the_edit_template_shows_the_source_then_the_result(server, tmp_path):
+    from PIL import Image
+
+    from flowrl.editing import EditPrompt
+    from flowrl.rewards import build_reward
+
+    Image.fromarray(np.zeros((4, 4, 3), dtype=np.uint8)).save(tmp_path / "black.png")
+    request = EditPrompt("make it white", [str(tmp_path / "black.png")])
+    judge = build_reward("vlm_judge", url=server, template="edit")
+    scores = judge(torch.cat([grey(1.0), grey(0.0)]), [request, request], [{}, {}])
+    # the server scores how far the second image is from the first: white from black 10, black from black 1
+    assert scores.tolist() == pytest.approx([1.0, 0.1])
+    assert all('instruction: "make it white"' in c for c in Judge.calls)

@@ -214,8 +214,8 @@ def add_parsers(sub) -> None:
     e.add_argument("--seeds", help="comma-separated seeds and ranges, 0,1,2 or 16-31 (default log.eval_seeds)")
     e.add_argument("--steps", type=int, help="ODE steps (default sampler.eval_num_steps)")
     e.add_argument("--cfg", type=float, help="guidance scale (default sampler.guidance_scale)")
-    e.add_argument("--prompts", help="prompt file (.txt one per line, or .jsonl with 'prompt' and metadata): "
-                   "print the reward table instead of the held-out evaluation")
+    e.add_argument("--prompts", help="prompt file (.txt one per line, or .jsonl with 'prompt' and metadata; an editing "
+                   "model's rows give their 'source' image): print the reward table instead of the held-out evaluation")
     e.add_argument("--dataset", help="a Hugging Face dataset of prompts (local file or folder, or hub id): print the "
                    "reward table over it")
     e.add_argument("--dataset-split", default="train", help="--dataset: the split to read")

@@ -6,7 +6,9 @@ import json
 import os
 from pathlib import Path
 
+from ..editing import check_prompts_fit, prepend_sources
 from ..errors import FlowRLError
+from ..registry import adapter_class
 from .common import checkpoint_and_config, parse_seeds
 
 
@@ -19,6 +21,12 @@ def cmd_sample(args) -> int:
 
     ckpt, cfg = checkpoint_and_config(args)
     prompts = args.prompt or cfg.data.sample_prompts or cfg.data.prompts
+    if args.source:
+        prompts = edit_requests(prompts, args.source)
+    elif not args.prompt and getattr(adapter_class(cfg.model.family), "edits", False):
+        from ..prompts import PromptSource  # an editing model: the data's first edit requests
+
+        prompts = PromptSource.from_config(cfg.data, cfg.train.seed, cfg.model).prompts[:4]
     if not prompts and cfg.data.prompt_set != "none":
         from ..prompts import prompt_set
 
@@ -27,6 +35,7 @@ def cmd_sample(args) -> int:
         from ..prompts import DEFAULT_TINY_PROMPTS
 
         prompts = DEFAULT_TINY_PROMPTS[:4]
+    check_prompts_fit(cfg.model_copy(update={"data": cfg.data.model_copy(update={"sample_prompts": []})}), prompts)
     seeds = parse_seeds(args.seeds) if args.seeds else cfg.data.sample_seeds
     out = Path(args.out)
     if out.exists() and not args.overwrite:
@@ -41,10 +50,25 @@ def cmd_sample(args) -> int:
         images = side_by_side(base, tuned, len(seeds))  # each row: base seeds | fine-tuned seeds
         title = f"left {len(seeds)}: base | right {len(seeds)}: {ckpt.parent.parent.name}/{ckpt.name}"
     columns = len(seeds) * (2 if ckpt is not None else 1)  # with a checkpoint: the base's seeds, then the tuned's
-    save_grid(images, columns, out, row_labels=prompts, title=title)
+    shown = prepend_sources(images, prompts, columns)  # edit requests: each row starts with its source
+    if shown is not images:
+        columns, title = columns + 1, "source | " + title
+    save_grid(shown, columns, out, row_labels=prompts, title=title)
     print(json.dumps({"grid": str(out), "prompts": len(prompts), "seeds": seeds, "columns": columns,
                       "checkpoint": str(ckpt) if ckpt else None}))
     return 0
+
+
+def edit_requests(prompts: list[str], sources: list[str]) -> list[str]:
+    """``--prompt`` instructions with ``--source`` images: one source for every prompt, or one each."""
+    from ..editing import EditPrompt, check_source
+
+    if len(sources) not in (1, len(prompts)):
+        raise FlowRLError(f"--source: give one source image for every prompt or one per --prompt ({len(prompts)} "
+                          f"prompts, {len(sources)} sources)")
+    for key in sources:
+        check_source(key, "--source")
+    return [EditPrompt(p, [sources[0] if len(sources) == 1 else sources[i]]) for i, p in enumerate(prompts)]
 
 
 def cmd_export(args) -> int:
@@ -93,6 +117,8 @@ def add_parsers(sub) -> None:
     s.add_argument("--iteration", type=int, help="with a run directory: the checkpoint saved after this iteration")
     s.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     s.add_argument("--prompt", action="append", help="prompt (repeatable); default: the config's sample prompts")
+    s.add_argument("--source", action="append", help="an editing model's source image (repeatable: one for every "
+                   "--prompt, or one each); default: the data's first edit requests")
     s.add_argument("--seeds", help="comma-separated seeds and ranges: 0,1,2 or 16-31")
     s.add_argument("--steps", type=int, help="ODE steps (default sampler.eval_num_steps)")
     s.add_argument("--out", default="samples.png", help="the grid image (PNG; a video model also writes .gif and .mp4)")

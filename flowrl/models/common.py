@@ -26,16 +26,19 @@ class PromptEmbeds:
     embeds: torch.Tensor  # (N, L, D) text tokens (padded to the longest prompt where lengths differ)
     pooled: torch.Tensor  # (N, P) pooled projections (P = 0 for families without one)
     mask: torch.Tensor | None = None  # (N, L) 1 for real tokens; None when every prompt has L tokens
+    # (N, K, C, h, w) an editing family's K source images as latents (its reference conditioning); None otherwise
+    reference: torch.Tensor | None = None
 
     def index(self, idx: torch.Tensor) -> "PromptEmbeds":
-        return PromptEmbeds(self.embeds[idx], self.pooled[idx], None if self.mask is None else self.mask[idx])
+        return PromptEmbeds(self.embeds[idx], self.pooled[idx], None if self.mask is None else self.mask[idx],
+                            None if self.reference is None else self.reference[idx])
 
     def padded(self, length: int) -> "PromptEmbeds":
         """The same rows zero-padded to ``length`` tokens, with the mask that marks the real ones."""
         n, cur = self.embeds.shape[:2]
         mask = self.mask if self.mask is not None else self.embeds.new_ones(n, cur, dtype=torch.long)
         return PromptEmbeds(torch.nn.functional.pad(self.embeds, (0, 0, 0, length - cur)), self.pooled,
-                            torch.nn.functional.pad(mask, (0, length - cur)))
+                            torch.nn.functional.pad(mask, (0, length - cur)), self.reference)
 
 
 # Sharded training (train.fsdp) sets these while the model loads: the transformer stays off the accelerator (it is
@@ -92,6 +95,12 @@ class PipelineAdapter:
     published_architectures: dict[str, tuple[dict, int]] = {}
     context_parallel_splits_text = False  # the context-parallel plan splits the text tokens as well as the image's
     video = False  # latents carry a frame axis (C, F, H, W)
+
+    # an editing family: each prompt is an edit request (flowrl.editing.EditPrompt) whose source images condition
+    # the transformer; they travel beside the text embeddings (PromptEmbeds.reference)
+    edits = False
+    max_sources = 1  # source images per request the family's transformer takes
+    resolution: int | None = None  # model.resolution (editing families): the size source images are resized to
 
     tiny_patch_pixels: int | None = None  # pixels per latent patch of the tiny model (None: model.tiny's patch x VAE)
     real_patch_pixels = 16  # a real checkpoint's: the VAE's 8 x 2 x 2 patches
@@ -231,8 +240,12 @@ class PipelineAdapter:
 
     @classmethod
     def options(cls, model_cfg) -> dict:
-        """Family-specific constructor settings from ``model`` (guidance, frames, ...)."""
-        return {name: getattr(model_cfg, name) for name in cls.family_options}
+        """Family-specific constructor settings from ``model`` (guidance, frames, ...); an editing family also gets
+        ``model.resolution``, the size its source images are resized to."""
+        out = {name: getattr(model_cfg, name) for name in cls.family_options}
+        if cls.edits:
+            out["resolution"] = model_cfg.resolution
+        return out
 
     @classmethod
     def from_config(cls, model_cfg, device="cpu"):
@@ -288,12 +301,45 @@ class PipelineAdapter:
             embeds, pooled = self._encode_one(p)
             self._cache[p] = (embeds.float().to(self.device), pooled.float().to(self.device))
         pooled = torch.stack([self._cache[p][1] for p in prompts])
+        reference = self.encode_sources(prompts) if self.edits else None
         if not self.variable_length:
-            return PromptEmbeds(torch.stack([self._cache[p][0] for p in prompts]), pooled)
+            return PromptEmbeds(torch.stack([self._cache[p][0] for p in prompts]), pooled, None, reference)
         rows = [PromptEmbeds(self._cache[p][0][None], pooled[k: k + 1]) for k, p in enumerate(prompts)]
         width = max(r.embeds.shape[1] for r in rows)  # (N, L_max, D) zero-padded, with its mask
         rows = [r.padded(width) for r in rows]
-        return PromptEmbeds(torch.cat([r.embeds for r in rows]), pooled, torch.cat([r.mask for r in rows]))
+        return PromptEmbeds(torch.cat([r.embeds for r in rows]), pooled, torch.cat([r.mask for r in rows]), reference)
+
+    # ---------------------------------------------------------------- source images (editing families)
+    @torch.no_grad()
+    def encode_sources(self, prompts: list[str]) -> torch.Tensor | None:
+        """(N, K, C, h, w) the prompts' K source images as latents, each distinct set encoded once and cached; None
+        when no prompt has a source (a negative prompt, which borrows its row's sources in :meth:`velocity`)."""
+        from ..editing import load_source, sources_of
+
+        keys = [sources_of(p) for p in prompts]
+        if not any(keys):
+            return None
+        for p, k in zip(prompts, keys):
+            if not k:
+                raise ConfigError(f"model.family={self.family} edits images: prompt {str(p)!r} has no source image; "
+                                  "give every data row a 'source' (an image path)")
+            if len(k) > self.max_sources or len(k) != len(keys[0]):
+                raise ConfigError(f"model.family={self.family}: every edit request needs the same number of source "
+                                  f"images, at most {self.max_sources} (prompt {str(p)!r} has {len(k)})")
+        cache = self.__dict__.setdefault("_source_cache", {})
+        for k in sorted(set(keys) - set(cache)):
+            images = [load_source(key, self.resolution) for key in k]
+            cache[k] = self._encode_source_images(images).float().to(self.device)
+        return torch.stack([cache[k] for k in keys])
+
+    def _encode_source_images(self, images: list) -> torch.Tensor:
+        """(K, C, h, w) latents of K RGB PIL images of ``resolution`` pixels: the pipeline's image processor, then the
+        VAE's mode, shifted and scaled as the family's editing pipeline does."""
+        cfg = self.vae.config
+        pixels = torch.cat([self.pipe.image_processor.preprocess(img, self.resolution, self.resolution)
+                            for img in images])  # (K, 3, H, W) in [-1, 1]
+        z = self.vae.encode(pixels.to(device=self.vae.device, dtype=self.vae.dtype)).latent_dist.mode()
+        return (z - (cfg.shift_factor or 0.0)) * cfg.scaling_factor
 
     # ---------------------------------------------------------------- velocity
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds) -> torch.Tensor:
@@ -317,8 +363,9 @@ class PipelineAdapter:
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(b)
         use_cfg = guidance_scale > 1.0 and negative is not None
         if use_cfg:
+            # an edit's negative half sees the same source images as its positive half (the editing pipelines' CFG)
             neg = PromptEmbeds(negative.embeds.expand(b, -1, -1), negative.pooled.expand(b, -1),
-                               None if negative.mask is None else negative.mask.expand(b, -1))
+                               None if negative.mask is None else negative.mask.expand(b, -1), cond.reference)
             if neg.mask is not None or cond.mask is not None or neg.embeds.shape[1] != cond.embeds.shape[1]:
                 width = max(neg.embeds.shape[1], cond.embeds.shape[1])
                 neg, cond = neg.padded(width), cond.padded(width)
@@ -329,7 +376,8 @@ class PipelineAdapter:
             x = torch.cat([x, x])
             sigma = torch.cat([sigma, sigma])
             cond = PromptEmbeds(torch.cat([neg.embeds, cond.embeds]), torch.cat([neg.pooled, cond.pooled]),
-                                None if cond.mask is None else torch.cat([neg.mask, cond.mask]))
+                                None if cond.mask is None else torch.cat([neg.mask, cond.mask]),
+                                None if cond.reference is None else torch.cat([cond.reference, cond.reference]))
         out = self._forward(x, sigma, cond)
         if use_cfg:
             v_neg, v_pos = out.chunk(2)

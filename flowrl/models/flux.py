@@ -80,6 +80,11 @@ class FluxAdapter(PipelineAdapter):
                                                     max_sequence_length=self.max_sequence_length)
         return embeds[0], pooled[0]
 
+    def reference_tokens(self, cond) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Tokens the transformer attends to after the image's own: (B, T, 4C) tokens and their (T, 3) position
+        ids, or None (text-to-image FLUX.1 has none; FLUX.1 Kontext's are its source image's)."""
+        return None
+
     def _forward(self, x, sigma, cond):
         b, _, h, w = x.shape
         embeds, pooled = cond.embeds, cond.pooled
@@ -87,10 +92,14 @@ class FluxAdapter(PipelineAdapter):
         if self.transformer.config.guidance_embeds:  # FLUX.1-dev's distilled guidance, one value per sample
             guidance = torch.full((b,), self.guidance, device=x.device, dtype=torch.float32)
         t = (sigma * 1000.0).to(self.dtype)  # the pipeline's scheduler timestep, which it divides by 1000
+        tokens, ids = pack(x), image_ids(h, w).to(x.device)  # (B, hw/4, 4C), (hw/4, 3)
+        extra = self.reference_tokens(cond)
+        if extra is not None:  # the sequence is [image; reference]; the velocity is read off the image's tokens
+            tokens, ids = torch.cat([tokens, extra[0]], dim=1), torch.cat([ids, extra[1].to(x.device)])
         out = self.transformer(
-            hidden_states=pack(x).to(self.dtype), timestep=t / 1000, guidance=guidance,
+            hidden_states=tokens.to(self.dtype), timestep=t / 1000, guidance=guidance,
             pooled_projections=pooled.to(self.dtype), encoder_hidden_states=embeds.to(self.dtype),
             txt_ids=torch.zeros(embeds.shape[1], 3, device=x.device, dtype=self.dtype),
-            img_ids=image_ids(h, w).to(device=x.device, dtype=self.dtype), return_dict=False,
+            img_ids=ids.to(dtype=self.dtype), return_dict=False,
         )[0]
-        return unpack(out.float(), h, w)
+        return unpack(out[:, : (h // 2) * (w // 2)].float(), h, w)

@@ -145,6 +145,14 @@ def build_tiny_flux_pipeline(tiny, seed: int = 0):
                         text_encoder_2=t5, tokenizer_2=build_clip_tokenizer(tiny.max_tokens), transformer=transformer)
 
 
+def build_tiny_flux_kontext_pipeline(tiny, seed: int = 0):
+    """A tiny FLUX.1 Kontext pipeline: the tiny FLUX.1 components (:func:`build_tiny_flux_pipeline`, the same
+    weights at the same seed) in ``FluxKontextPipeline``, which adds the source image's latents as tokens."""
+    from diffusers import FluxKontextPipeline
+
+    return FluxKontextPipeline(**build_tiny_flux_pipeline(tiny, seed).components)
+
+
 QWEN_TEMPLATE_WORDS = ("Describe the image by detailing the color, shape, size, texture, quantity, text, spatial "
                        "relationships of the objects and background system user assistant")
 
