@@ -50,7 +50,8 @@ def family_matrix_markdown() -> str:
         return ", ".join(f"`{u}`" for u in units) or "no"
 
     rows = {
-        "generates": lambda c: "videos" if c.video else "images",
+        "generates": lambda c: "videos" if c.video else ("image edits (a source image per prompt)" if c.edits
+                                                           else "images"),
         "diffusers pipeline (rollout parity and LoRA loading tested against it)": lambda c: f"`{vars(c).get('pipeline_label', c.pipeline_class_name)}`",
         "transformer": lambda c: f"`{c.transformer_class_name}`",
         "LoRA (default targets)": lambda c: f"yes ({len(c.lora_targets)} module names)",

@@ -21,6 +21,8 @@ FAMILIES = {
     "flux2": ["model.family=flux2", "model.resolution=32", "model.tiny.resolution=32"],
     "wan": ["model.family=wan", "model.resolution=32", "model.tiny.resolution=32", "model.num_frames=5"],
     "zimage": ["model.family=zimage", "model.resolution=32", "model.tiny.resolution=32"],
+    "hunyuanvideo15": ["model.family=hunyuanvideo15", "model.resolution=32", "model.tiny.resolution=32",
+                       "model.num_frames=5"],
     # an editing family: the shapes edit requests (their sources render offline)
     "flux-kontext": ["model.family=flux-kontext", "model.resolution=32", "model.tiny.resolution=32",
                      "data.prompt_set=shapes-edit-train"],
@@ -35,6 +37,7 @@ def prompts_of(family_or_adapter) -> list[str]:
     return EDIT_PROMPTS if family == "flux-kontext" else PROMPTS
 REWARD = {f: "rewards=[{name: 'tests.helpers:brightness'}]" for f in FAMILIES}
 REWARD["wan"] = "rewards=[{name: video_frames, args: {reward: 'tests.helpers:brightness'}}]"  # videos (N, F, 3, H, W)
+REWARD["hunyuanvideo15"] = REWARD["wan"]
 # each algorithm's own options, sized for a 4-step tiny run
 ALGORITHMS = {
     "flow_grpo": [], "flow_grpo_fast": ["algorithm.window.size=1"], "mix_grpo": ["algorithm.window.size=2"],
@@ -52,7 +55,7 @@ ALGORITHMS = {
     "ac_flow": ["algorithm.group_size=2", "algorithm.timesteps_per_sample=1", "algorithm.critic_warmup=0"],
 }
 DIFFERENTIABLE = {f: "tests.helpers:brightness" for f in FAMILIES}
-DIFFERENTIABLE["wan"] = "tests.helpers:video_brightness"
+DIFFERENTIABLE["wan"] = DIFFERENTIABLE["hunyuanvideo15"] = "tests.helpers:video_brightness"
 NO_EDGES = ("diffusion_nft", "awm", "sft", "online_dpo", "dgpo", "refl", "ac_flow")  # re-noised samples or re-runs
 # objectives without a policy ratio (the matching error, a preference, the reward's gradient): no ratio statistics
 NO_RATIO = ("diffusion_nft", "awm", "sft", "online_dpo", "refl", "ac_flow")
@@ -214,6 +217,30 @@ def test_flux_kontext_rollout_equals_flux_kontext_pipeline():
     assert (swapped - results[0]).abs().max() > 1e-4  # the source conditions the result
 
 
+def test_hunyuanvideo15_rollout_equals_its_pipeline():
+    """Videos: noise off, HunyuanVideo15Pipeline's frames (its two text streams, a prompt with quoted glyph text and
+    one without), without CFG and with it (the guider's scale equals ours)."""
+    from diffusers import ClassifierFreeGuidance
+
+    cfg = family_cfg("hunyuanvideo15", "sampler.guidance_scale=4.0", "sampler.negative_prompt=")
+    adapter = load_adapter(cfg.model)
+    shape = adapter.latent_shape(32)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(3))[None]
+    common = dict(height=32, width=32, num_frames=5, num_inference_steps=4, latents=noise, output_type="pt")
+    sig = sigmas_for(cfg, adapter, 4)
+    for p in [PROMPTS[0], 'a sign that says "OPEN"']:
+        ours = sample_images(adapter, [p], [3], sig, shape)
+        ref = adapter.pipe(prompt=p, **common).frames
+        assert ours.shape == (1, 5, 3, 32, 32) and torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+    glyphs = adapter.encode_prompts(['a sign that says "OPEN"', PROMPTS[0]]).extra["glyph_mask"]
+    assert glyphs[0].sum() > 0 and glyphs[1].sum() == 0  # quoted text reaches the ByT5 stream
+    adapter.pipe.guider = ClassifierFreeGuidance(guidance_scale=4.0)
+    with torch.no_grad():
+        ours = Sampler(cfg, adapter, num_steps=4)([PROMPTS[0]], [3])
+    ref = adapter.pipe(prompt=PROMPTS[0], negative_prompt="", **common).frames
+    assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+
+
 def test_wan_rollout_equals_wan_pipeline():
     """Videos: noise off, WanPipeline's frames (B, F, 3, H, W), with and without its CFG."""
     cfg = family_cfg("wan")
@@ -355,7 +382,11 @@ def trained_lora_velocities(tmp_path, cfg, sigma, **load_kwargs):
     ours = trainer.adapter
     fresh = load_adapter(cfg.model)  # the same base weights (seeded tiny init), no LoRA
     assert isinstance(fresh.pipe, getattr(diffusers, ours.pipeline_class_name))
-    fresh.pipe.load_lora_weights(str(run / "checkpoints" / "iter_00001"), **load_kwargs)
+    saved = str(run / "checkpoints" / "iter_00001")
+    if hasattr(fresh.pipe, "load_lora_weights"):
+        fresh.pipe.load_lora_weights(saved, **load_kwargs)
+    else:  # a pipeline without a LoRA loader (HunyuanVideo 1.5): its transformer's own
+        fresh.pipe.transformer.load_lora_adapter(saved, prefix="transformer", use_safetensors=True, **load_kwargs)
     x = torch.randn((len(sigma), *ours.latent_shape(cfg.model.resolution)), generator=torch.Generator().manual_seed(0))
     prompts = prompts_of(ours)[: len(sigma)]
     cond = ours.encode_prompts(prompts)
@@ -429,7 +460,7 @@ def test_an_image_reward_on_videos_says_how_to_wrap_it(tmp_path, capsys):
                                      "rewards=[{name: video_frames, args: {reward: jpeg_compressibility}}]")
 
 
-@pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage", "wan", "zimage"])
+@pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage", "wan", "zimage", "hunyuanvideo15"])
 def test_a_local_diffusers_folder_loads_by_path(tmp_path, family):
     """model.pretrained=<folder>: a checkpoint saved with save_pretrained loads through the family's pipeline
     (FLUX.2: the class named in its model_index.json) and gives the same velocities."""
@@ -441,6 +472,10 @@ def test_a_local_diffusers_folder_loads_by_path(tmp_path, family):
                                      if family != "qwenimage" else "model.max_sequence_length=256", *extra).model)
     if family == "flux2":  # a real checkpoint's text layers are the pipeline's default; the tiny one has 2
         loaded.text_encoder_out_layers = tiny.text_encoder_out_layers
+    if family == "hunyuanvideo15":  # the tiny pipeline's shortened chat template and text lengths are not saved
+        for name in ("system_message", "prompt_template_encode_start_idx", "tokenizer_max_length",
+                     "tokenizer_2_max_length", "vision_num_semantic_tokens"):
+            setattr(loaded.pipe, name, getattr(tiny.pipe, name))
     x = torch.randn((1, *tiny.latent_shape(32)), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a = tiny.velocity(x, torch.tensor([0.7]), tiny.encode_prompts(PROMPTS[:1]))

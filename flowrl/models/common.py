@@ -28,17 +28,20 @@ class PromptEmbeds:
     mask: torch.Tensor | None = None  # (N, L) 1 for real tokens; None when every prompt has L tokens
     # (N, K, C, h, w) an editing family's K source images as latents (its reference conditioning); None otherwise
     reference: torch.Tensor | None = None
+    # a family's further per-prompt streams, each (N, ...) (HunyuanVideo 1.5's ByT5 glyph tokens and their mask)
+    extra: dict[str, torch.Tensor] | None = None
 
     def index(self, idx: torch.Tensor) -> "PromptEmbeds":
         return PromptEmbeds(self.embeds[idx], self.pooled[idx], None if self.mask is None else self.mask[idx],
-                            None if self.reference is None else self.reference[idx])
+                            None if self.reference is None else self.reference[idx],
+                            None if self.extra is None else {k: v[idx] for k, v in self.extra.items()})
 
     def padded(self, length: int) -> "PromptEmbeds":
         """The same rows zero-padded to ``length`` tokens, with the mask that marks the real ones."""
         n, cur = self.embeds.shape[:2]
         mask = self.mask if self.mask is not None else self.embeds.new_ones(n, cur, dtype=torch.long)
         return PromptEmbeds(torch.nn.functional.pad(self.embeds, (0, 0, 0, length - cur)), self.pooled,
-                            torch.nn.functional.pad(mask, (0, length - cur)), self.reference)
+                            torch.nn.functional.pad(mask, (0, length - cur)), self.reference, self.extra)
 
 
 # Sharded training (train.fsdp) sets these while the model loads: the transformer stays off the accelerator (it is
@@ -365,7 +368,9 @@ class PipelineAdapter:
         if use_cfg:
             # an edit's negative half sees the same source images as its positive half (the editing pipelines' CFG)
             neg = PromptEmbeds(negative.embeds.expand(b, -1, -1), negative.pooled.expand(b, -1),
-                               None if negative.mask is None else negative.mask.expand(b, -1), cond.reference)
+                               None if negative.mask is None else negative.mask.expand(b, -1), cond.reference,
+                               None if negative.extra is None
+                               else {k: v.expand(b, *v.shape[1:]) for k, v in negative.extra.items()})
             if neg.mask is not None or cond.mask is not None or neg.embeds.shape[1] != cond.embeds.shape[1]:
                 width = max(neg.embeds.shape[1], cond.embeds.shape[1])
                 neg, cond = neg.padded(width), cond.padded(width)
@@ -377,7 +382,9 @@ class PipelineAdapter:
             sigma = torch.cat([sigma, sigma])
             cond = PromptEmbeds(torch.cat([neg.embeds, cond.embeds]), torch.cat([neg.pooled, cond.pooled]),
                                 None if cond.mask is None else torch.cat([neg.mask, cond.mask]),
-                                None if cond.reference is None else torch.cat([cond.reference, cond.reference]))
+                                None if cond.reference is None else torch.cat([cond.reference, cond.reference]),
+                                None if cond.extra is None else {k: torch.cat([neg.extra[k], v])
+                                                                 for k, v in cond.extra.items()})
         out = self._forward(x, sigma, cond)
         if use_cfg:
             v_neg, v_pos = out.chunk(2)

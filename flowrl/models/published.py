@@ -37,6 +37,13 @@ WAN21_1_3B = dict(WAN21_14B, num_attention_heads=12, ffn_dim=8960, num_layers=30
 ZIMAGE_6B = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30, n_refiner_layers=2,
                  n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True, cap_feat_dim=2560, rope_theta=256.0,
                  t_scale=1000.0, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512])
+# HunyuanVideo 1.5 text-to-video (8.3B): HunyuanVideo15Transformer3DModel's defaults are the published configuration;
+# the 480p and 720p checkpoints differ in target_size
+HUNYUANVIDEO15_480P = dict(in_channels=65, out_channels=32, num_attention_heads=16, attention_head_dim=128,
+                           num_layers=54, num_refiner_layers=2, mlp_ratio=4.0, patch_size=1, patch_size_t=1,
+                           qk_norm="rms_norm", text_embed_dim=3584, text_embed_2_dim=1472, image_embed_dim=1152,
+                           rope_theta=256.0, rope_axes_dim=(16, 56, 56), target_size=480, task_type="t2v",
+                           use_meanflow=False)
 FLUX2_KLEIN_4B = dict(patch_size=1, in_channels=128, out_channels=None, num_layers=5, num_single_layers=20,
                       attention_head_dim=128, num_attention_heads=24, joint_attention_dim=7680,
                       timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32),

@@ -304,3 +304,50 @@ def build_tiny_wan_pipeline(tiny, seed: int = 0):
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
                        transformer=transformer, transformer_2=low_noise, boundary_ratio=0.875)
 
+
+
+def build_tiny_hunyuanvideo15_pipeline(tiny, seed: int = 0):
+    """A tiny HunyuanVideo 1.5-architecture text-to-video pipeline: a Qwen2.5-VL text model with the offline
+    byte-level tokenizer and a chat template (a short system message, the template's prefix cropped as the pipeline
+    crops its own), a ByT5 glyph encoder with ByT5's byte tokenizer, a VAE with 2x spatial and 2x temporal
+    compression and 4 latent channels, the transformer (its input: latents, condition latents and their mask), the
+    flow-matching scheduler with a static shift, and classifier-free guidance switched off in the guider (flowrl
+    applies CFG itself). The pipeline's text lengths and vision-token count are shrunk to the tiny model's."""
+    from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
+                           HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    tokenizer = build_tiny_byte_level_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    h = tiny.text_hidden
+    text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        hidden_size=h, intermediate_size=2 * h, num_hidden_layers=max(3, tiny.text_layers), num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=len(tokenizer), max_position_embeddings=512,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    byt5 = ByT5Tokenizer()
+    glyph_encoder = T5EncoderModel(T5Config(vocab_size=len(byt5), d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                            num_heads=2, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    z = 4
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=z, block_out_channels=(16, 32), layers_per_block=1,
+                                      spatial_compression_ratio=2, temporal_compression_ratio=2, scaling_factor=0.7)
+    head = tiny.attention_head_dim
+    spatial = head // 8 * 3  # rope axes (t, h, w) summing to the head width
+    transformer = HunyuanVideo15Transformer3DModel(
+        in_channels=2 * z + 1, out_channels=z, num_attention_heads=tiny.num_attention_heads, attention_head_dim=head,
+        num_layers=tiny.num_layers, num_refiner_layers=1, patch_size=2, patch_size_t=1, text_embed_dim=h,
+        text_embed_2_dim=16, image_embed_dim=16, rope_axes_dim=(head - 2 * spatial, spatial, spatial),
+        target_size=tiny.resolution, task_type="t2v")
+    pipe = HunyuanVideo15Pipeline(
+        text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=glyph_encoder, tokenizer_2=byt5,
+        guider=ClassifierFreeGuidance(guidance_scale=1.0, enabled=False))
+    pipe.system_message = "Describe the video."
+    empty = tokenizer.apply_chat_template([[{"role": "system", "content": pipe.system_message},
+                                            {"role": "user", "content": ""}]], tokenize=True)
+    pipe.prompt_template_encode_start_idx = len(empty[0] if isinstance(empty[0], list) else empty) - 2
+    pipe.tokenizer_max_length = max(8, tiny.max_tokens)
+    pipe.tokenizer_2_max_length = 8
+    pipe.vision_num_semantic_tokens = 4
+    return pipe
