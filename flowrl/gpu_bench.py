@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .models.published import (FLUX1_DEV, FLUX2_KLEIN_4B, QWEN_IMAGE, SD35_MEDIUM, WAN21_1_3B,  # published configs
-                               WAN21_14B, ZIMAGE_6B)
+from .models.published import (FLUX1_DEV, FLUX2_KLEIN_4B, HUNYUANVIDEO15_480P, QWEN_IMAGE,  # published configs
+                               SD35_MEDIUM, WAN21_1_3B, WAN21_14B, ZIMAGE_6B)
 from .errors import ConfigError
 from .models.common import PromptEmbeds
 from .sampling import peak_memory_mb, synchronize
@@ -41,16 +41,23 @@ TINY.update({"qwen": dict(QWEN_IMAGE, num_layers=1, num_attention_heads=2, atten
 TINY["wan14"] = TINY["wan13"]
 TINY["zimage"] = dict(ZIMAGE_6B, dim=64, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32,
                       axes_dims=[8, 12, 12])
+TINY["hv15"] = dict(HUNYUANVIDEO15_480P, num_attention_heads=2, attention_head_dim=16, num_layers=1,
+                    num_refiner_layers=1, text_embed_dim=32, text_embed_2_dim=16, image_embed_dim=16,
+                    rope_axes_dim=(4, 6, 6))
 REAL = {"sd35m": SD35_MEDIUM, "flux1": FLUX1_DEV, "qwen": QWEN_IMAGE, "wan13": WAN21_1_3B, "wan14": WAN21_14B,
-        "flux2k": FLUX2_KLEIN_4B, "zimage": ZIMAGE_6B}
+        "flux2k": FLUX2_KLEIN_4B, "zimage": ZIMAGE_6B, "hv15": HUNYUANVIDEO15_480P}
 CLASSES = {"sd35m": "SD3Transformer2DModel", "flux1": "FluxTransformer2DModel", "qwen": "QwenImageTransformer2DModel",
            "wan13": "WanTransformer3DModel", "wan14": "WanTransformer3DModel", "flux2k": "Flux2Transformer2DModel",
-           "zimage": "ZImageTransformer2DModel"}
+           "zimage": "ZImageTransformer2DModel", "hv15": "HunyuanVideo15Transformer3DModel"}
 # families called through their adapter's transformer call
-ADAPTER_FAMILY = {"qwen": "qwenimage", "wan13": "wan", "wan14": "wan", "flux2k": "flux2", "zimage": "zimage"}
+ADAPTER_FAMILY = {"qwen": "qwenimage", "wan13": "wan", "wan14": "wan", "flux2k": "flux2", "zimage": "zimage",
+                  "hv15": "hunyuanvideo15"}
 # CLIP 77 x 2 padded + T5 256 (SD3); T5 512 (FLUX.1-dev); a typical Qwen2.5-VL prompt; UMT5 padded to 512 (Wan);
 # Qwen3 padded to 512 (FLUX.2 klein); a typical prompt's real Qwen3 tokens (Z-Image drops the padding)
-TEXT_TOKENS = {"sd35m": 333, "flux1": 512, "qwen": 256, "wan13": 512, "wan14": 512, "flux2k": 512, "zimage": 128}
+# HunyuanVideo 1.5: Qwen2.5-VL padded to 1000 plus ByT5's 256 (here all through the first stream's refiner; the
+# 729 masked vision tokens come from its adapter call)
+TEXT_TOKENS = {"sd35m": 333, "flux1": 512, "qwen": 256, "wan13": 512, "wan14": 512, "flux2k": 512, "zimage": 128,
+               "hv15": 1256}
 WAN_FRAMES = 9  # 3 latent frames (the 4x temporal VAE)
 LORA_TARGETS = {"sd35m": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"],
                 "flux1": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"],
@@ -58,7 +65,8 @@ LORA_TARGETS = {"sd35m": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"
                 "wan13": ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0"],
                 "wan14": ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0"],
                 "flux2k": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.to_qkv_mlp_proj"],
-                "zimage": ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0"]}
+                "zimage": ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0"],
+                "hv15": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]}
 
 
 @dataclass
@@ -73,6 +81,8 @@ class BenchModel:
     def latent_shape(self, px: int) -> tuple[int, ...]:
         if self.family in ("wan13", "wan14"):  # (C, latent frames, h, w)
             return (16, (WAN_FRAMES - 1) // 4 + 1, px // 8, px // 8)
+        if self.family == "hv15":  # 32 channels, 4x temporal and 16x spatial compression
+            return (32, (WAN_FRAMES - 1) // 4 + 1, px // 16, px // 16)
         if self.family == "flux2k":  # (4C, h, w): the 32-channel VAE at 8x, patchified 2x2 before the transformer
             return (self.transformer.config.in_channels, px // 16, px // 16)
         return (16, px // 8, px // 8)  # a 16-channel VAE at 8x
@@ -245,7 +255,7 @@ def rollout_time(model: BenchModel, px: int, prompts: int, tiny: bool, tree: boo
 # the shipped preset whose memory model sizes each family's micro-batch (train.micro_batch=auto)
 PRESETS = {"sd35m": "sd35m_flow_grpo.yaml", "flux1": "flux1_dev_flow_grpo.yaml", "flux2k": "flux2_klein_flow_grpo.yaml",
            "qwen": "qwen_image_flow_grpo.yaml", "wan13": "wan21_1.3b_flow_grpo.yaml", "wan14": "wan21_14b_flow_grpo.yaml",
-           "zimage": "zimage_turbo_flow_grpo.yaml"}
+           "zimage": "zimage_turbo_flow_grpo.yaml", "hv15": "hunyuanvideo15_480p_flow_grpo.yaml"}
 
 
 H100_BYTES = 79 * 2 ** 30  # what an 80 GB H100 reports: the card --tiny sizes its micro-batches for
@@ -264,7 +274,7 @@ def auto_batch(family: str, px: int, device: torch.device, checkpointing: bool, 
                  "sampler.guidance_scale=1.0", f"train.gradient_checkpointing={str(checkpointing).lower()}",
                  "train.kl_beta=0", "train.ema.enabled=false",
                  "train.lora.targets=[" + ",".join(LORA_TARGETS[family]) + "]", "train.lora.rank=32"]
-    if family in ("wan13", "wan14"):
+    if family in ("wan13", "wan14", "hv15"):
         overrides.append(f"model.num_frames={WAN_FRAMES}")
     cfg = load_config(PRESETS[family], overrides)  # the shipped preset, found from any folder
     chosen, why = auto_micro_batch(cfg, device, 1, capacity=capacity)

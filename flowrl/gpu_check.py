@@ -9,14 +9,14 @@ same stages on a CPU with shrunken models (the test suite does).
 
 Stages:
 - ``bench-sd35m``, ``bench-flux1``, ``bench-flux2-klein``, ``bench-qwen-image``, ``bench-wan21-1.3b``,
-  ``bench-wan21-14b``, ``bench-zimage``: ``flowrl bench-gpu`` on the published architectures with random weights. Per family and
+  ``bench-wan21-14b``, ``bench-zimage``, ``bench-hunyuanvideo15``: ``flowrl bench-gpu`` on the published architectures with random weights. Per family and
   resolution: the LoRA update step (r 32 on the attention projections, bf16 autocast, fused AdamW) without and
   with gradient checkpointing, each at the micro-batch ``train.micro_batch=auto`` picks for the family's preset
   (at most 16; ``estimate_mb`` is the memory model's prediction beside the measured peak), then a flat rollout
   (``chains`` independent chains per prompt) and a BranchGRPO tree with as many leaves, one prompt, ``steps``
   steps; every row with measured FLOPs, TFLOP/s and MFU (rollouts: the FLOP count of one transformer call times
   the evaluations). SD3.5-M at 512 and 1024 px (8 chains at 1024), FLUX.1-dev, FLUX.2 [klein] 4B and Qwen-Image
-  at 512 px, Wan 2.1 1.3B and 14B at 256 px x 9 frames (8 chains for 14B), Z-Image (6B) at 512 px with 8 steps;
+  at 512 px, Wan 2.1 1.3B and 14B at 256 px x 9 frames (8 chains for 14B), Z-Image (6B) at 512 px with 8 steps, HunyuanVideo 1.5 (8.3B) at 256 px x 9 frames (8 chains);
 - ``end-to-end-sd35m``: the shipped SD3.5-M Flow-GRPO preset (LoRA) trained for two iterations at real size, 512
   px, bf16, with random weights of every component of its pipeline and of its reward model
   (:mod:`flowrl.models.published`: the MMDiT-X transformer, the VAE, CLIP-L, bigG and T5-XXL, PickScore's CLIP
@@ -43,7 +43,7 @@ from pathlib import Path
 
 from .callbacks import Callback
 
-STAGES = {  # name -> seconds allowed on one H100 (the tiny CPU check gets four times as long); 7.7 minutes in all
+STAGES = {  # name -> seconds allowed on one H100 (the tiny CPU check gets four times as long); 8.4 minutes in all
     "bench-sd35m": 65,
     "bench-flux1": 55,
     "bench-flux2-klein": 35,
@@ -51,6 +51,7 @@ STAGES = {  # name -> seconds allowed on one H100 (the tiny CPU check gets four 
     "bench-wan21-1.3b": 25,
     "bench-wan21-14b": 45,
     "bench-zimage": 40,
+    "bench-hunyuanvideo15": 45,
     "end-to-end-sd35m": 55,
     "fsdp-world1": 30,
     "gpu-tests": 35,
@@ -63,7 +64,8 @@ BENCH = {"bench-sd35m": ("sd35m", {512: (10, 16), 1024: (10, 8)}),
          "bench-qwen-image": ("qwen", {512: (10, 16)}),
          "bench-wan21-1.3b": ("wan13", {256: (10, 16)}),
          "bench-wan21-14b": ("wan14", {256: (10, 8)}),
-         "bench-zimage": ("zimage", {512: (8, 16)})}
+         "bench-zimage": ("zimage", {512: (8, 16)}),
+         "bench-hunyuanvideo15": ("hv15", {256: (10, 8)})}
 ROWS = "rows.jsonl"  # a stage's rows, one JSON object per line, appended as each is measured
 
 

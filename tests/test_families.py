@@ -241,6 +241,31 @@ def test_hunyuanvideo15_rollout_equals_its_pipeline():
     assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
 
 
+def test_hunyuanvideo15_first_sde_step_mean_equals_the_pipeline_transformers():
+    """The first SDE step of a batch of two prompts (one with quoted glyph text): its mean from our velocity equals
+    the one from HunyuanVideo15Pipeline's transformer called with the pipeline's own encodings and inputs."""
+    from flowrl.samplers.kernels import step as kernel_step
+
+    cfg = family_cfg("hunyuanvideo15")
+    adapter = load_adapter(cfg.model)
+    pipe, prompts = adapter.pipe, [PROMPTS[0], 'a sign that says "OPEN"']
+    x = torch.randn((2, *adapter.latent_shape(32)), generator=torch.Generator().manual_seed(1))
+    sig = sigmas_for(cfg, adapter, 4)
+    s, s_next = sig[:1].expand(2), sig[1:2].expand(2)
+    with torch.no_grad():
+        v = adapter.velocity(x, s, adapter.encode_prompts(prompts))
+        e, m, e2, m2 = pipe.encode_prompt(prompt=prompts, device="cpu", dtype=torch.float32, batch_size=2)
+        cond_latents, mask = pipe.prepare_cond_latents_and_mask(x, torch.float32, "cpu")
+        vision = torch.zeros(2, pipe.vision_num_semantic_tokens, pipe.vision_states_dim)
+        v_pipe = pipe.transformer(hidden_states=torch.cat([x, cond_latents, mask], 1), image_embeds=vision,
+                                  timestep=s * 1000, encoder_hidden_states=e, encoder_attention_mask=m,
+                                  encoder_hidden_states_2=e2, encoder_attention_mask_2=m2, return_dict=False)[0]
+    noise = torch.zeros_like(x)
+    ours = kernel_step("flow_grpo", x, v, s, s_next, noise_level=0.7, sigma_at_one=float(sig[1]), noise=noise)
+    theirs = kernel_step("flow_grpo", x, v_pipe, s, s_next, noise_level=0.7, sigma_at_one=float(sig[1]), noise=noise)
+    assert torch.allclose(ours.mean, theirs.mean, atol=1e-6), (ours.mean - theirs.mean).abs().max()
+
+
 def test_wan_rollout_equals_wan_pipeline():
     """Videos: noise off, WanPipeline's frames (B, F, 3, H, W), with and without its CFG."""
     cfg = family_cfg("wan")

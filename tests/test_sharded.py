@@ -48,6 +48,15 @@ CASES = {
     "superflow_unequal": ("tiny_superflow.yaml", ["sampler.rollout_batches=3", "train.num_minibatches=5",
                                                 "train.micro_batch=4"]),
     # Z-Image: its single-stream blocks (ZImageTransformerBlock) are the FSDP units; LoRA
+    # HunyuanVideo 1.5: its double-stream blocks, patch embedding and token refiner are the FSDP units; videos
+    "hunyuanvideo15_lora": ("tiny_flow_grpo.yaml", ["model.family=hunyuanvideo15", "model.resolution=32",
+                                                    "model.tiny.resolution=32", "model.num_frames=5",
+                                                    "train.prompts_per_iter=2", "sampler.num_steps=4",
+                                                    "rewards=[{name: video_frames, args: {reward: jpeg_compressibility}}]"]),
+    # FLUX.1 Kontext: edit requests whose source tokens ride in every call
+    "flux_kontext_lora": ("tiny_flow_grpo.yaml", ["model.family=flux-kontext", "model.resolution=32",
+                                                  "model.tiny.resolution=32", "data.prompt_set=shapes-edit-train",
+                                                  "train.prompts_per_iter=2", "sampler.num_steps=4"]),
     "zimage_lora": ("tiny_flow_grpo.yaml", ["model.family=zimage", "model.resolution=32", "model.tiny.resolution=32",
                                             "train.prompts_per_iter=2", "sampler.num_steps=4"]),
 }
