@@ -152,11 +152,13 @@ def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
         shape, cond = real.latent_shape(cfg.model.resolution), real.encode_prompts(["a"])
         text_tokens, text_dim, pooled = cond.embeds.shape[1], cond.embeds.shape[2], cond.pooled.shape[-1]
 
+    source_shape = shape if tiny else adapter_cls.memory_source_shape(cfg.model, c)  # an editing family's sources
+
     def velocity(model):
         shell.transformer = model
         x = torch.randn(1, *shape)
         # an editing family's source images: more image tokens in every call
-        sources = torch.randn(1, adapter_cls.max_sources, *shape) if adapter_cls.edits else None
+        sources = torch.randn(1, adapter_cls.max_sources, *source_shape) if adapter_cls.edits else None
         cond = PromptEmbeds(torch.randn(1, text_tokens, text_dim), torch.randn(1, pooled), None, sources)
         shell._forward(x, torch.full((1,), 0.5), cond)
 
@@ -178,8 +180,8 @@ def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
     rows = (1 if t.micro_batch == "auto" else t.micro_batch) * cfg_double
     precision = 0.5 if t.mixed_precision in ("bf16", "fp16") else 1.0
     if t.gradient_checkpointing:
-        images = 1 + (adapter_cls.max_sources if adapter_cls.edits else 0)  # the noisy image and any sources
-        tokens = math.prod(shape[1:]) // 4 * images + text_tokens  # each block's saved input: (tokens, width), bound
+        sources = adapter_cls.max_sources * math.prod(source_shape[1:]) // 4 if adapter_cls.edits else 0
+        tokens = math.prod(shape[1:]) // 4 + sources + text_tokens  # each block's saved input: (tokens, width), bound
         width = heads_full * head_dim
         body = max(per_block.values()) * scale + sum(counts.values()) * tokens * width * 4
     else:

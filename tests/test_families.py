@@ -10,6 +10,7 @@ import torch
 from flowrl.config import load_config
 from flowrl.editing import EditPrompt
 from flowrl.models import load_adapter
+from flowrl.models.flux import pack
 from flowrl.sampling import Sampler, sample_images, sigmas_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,6 +27,8 @@ FAMILIES = {
     # an editing family: the shapes edit requests (their sources render offline)
     "flux-kontext": ["model.family=flux-kontext", "model.resolution=32", "model.tiny.resolution=32",
                      "data.prompt_set=shapes-edit-train"],
+    "qwenimage-edit": ["model.family=qwenimage-edit", "model.resolution=32", "model.tiny.resolution=32",
+                       "data.prompt_set=shapes-edit-train"],
 }
 EDIT_PROMPTS = [EditPrompt("make the shape red", ["shapes:a green circle on a blue background#3"]),
                 EditPrompt("make the background white", ["shapes:a red square on a black background#5"])]
@@ -34,7 +37,7 @@ EDIT_PROMPTS = [EditPrompt("make the shape red", ["shapes:a green circle on a bl
 def prompts_of(family_or_adapter) -> list[str]:
     """Two prompts the family takes: edit requests for an editing family, captions otherwise."""
     family = getattr(family_or_adapter, "family", family_or_adapter)
-    return EDIT_PROMPTS if family == "flux-kontext" else PROMPTS
+    return EDIT_PROMPTS if family in ("flux-kontext", "qwenimage-edit") else PROMPTS
 REWARD = {f: "rewards=[{name: 'tests.helpers:brightness'}]" for f in FAMILIES}
 REWARD["wan"] = "rewards=[{name: video_frames, args: {reward: 'tests.helpers:brightness'}}]"  # videos (N, F, 3, H, W)
 REWARD["hunyuanvideo15"] = REWARD["wan"]
@@ -215,6 +218,35 @@ def test_flux_kontext_rollout_equals_flux_kontext_pipeline():
         results.append(ours)
     swapped = sample_images(adapter, [EditPrompt(str(EDIT_PROMPTS[0]), EDIT_PROMPTS[1].sources)], [3], sig, shape)
     assert (swapped - results[0]).abs().max() > 1e-4  # the source conditions the result
+
+
+def test_qwenimage_edit_rollout_equals_qwenimage_edit_pipeline(monkeypatch):
+    """Noise off, the same source and instruction: QwenImageEditPipeline's images, without CFG and with its true CFG
+    (the negative prompt read with the source too); the source reaches both the text encoder and the tokens. The
+    pipeline's one-megapixel source size is patched to the tiny model's own, which the adapter reads sources at."""
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as edit_module
+
+    from flowrl.editing import load_source
+
+    monkeypatch.setattr(edit_module, "calculate_dimensions", lambda area, ratio: (32, 32, None))
+    cfg = family_cfg("qwenimage-edit", "sampler.guidance_scale=4.0", "sampler.negative_prompt=blurry")
+    adapter = load_adapter(cfg.model)
+    shape = adapter.latent_shape(32)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(3))[None]
+    sig = sigmas_for(cfg, adapter, 4)
+    request = EDIT_PROMPTS[0]
+    common = dict(image=load_source(request.sources[0], 32), prompt=str(request), height=32, width=32,
+                  num_inference_steps=4, latents=pack(noise), output_type="pt")
+    ours = sample_images(adapter, [request], [3], sig, shape)
+    ref = adapter.pipe(true_cfg_scale=1.0, **common).images
+    assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+    with torch.no_grad():
+        ours_cfg = Sampler(cfg, adapter, num_steps=4)([request], [3])
+    ref_cfg = adapter.pipe(true_cfg_scale=4.0, negative_prompt="blurry", **common).images
+    assert torch.allclose(ours_cfg, ref_cfg, atol=1e-5), (ours_cfg - ref_cfg).abs().max()
+    other = EditPrompt(str(request), EDIT_PROMPTS[1].sources)
+    a, b = adapter.encode_prompts([request]), adapter.encode_prompts([other])
+    assert not torch.equal(a.embeds, b.embeds) and not torch.equal(a.reference, b.reference)
 
 
 def test_hunyuanvideo15_rollout_equals_its_pipeline():

@@ -9,13 +9,14 @@ from .flux2 import Flux2Adapter
 from .flux_kontext import FluxKontextAdapter
 from .hunyuanvideo15 import HunyuanVideo15Adapter
 from .qwenimage import QwenImageAdapter
+from .qwenimage_edit import QwenImageEditAdapter
 from .sd3 import SD3_LORA_TARGETS, SD3_PRESETS, SD3Adapter
 from .wan import WanAdapter
 from .zimage import ZImageAdapter
 
 ADAPTERS = {"sd3": SD3Adapter, "flux": FluxAdapter, "flux2": Flux2Adapter, "qwenimage": QwenImageAdapter, "wan": WanAdapter,
             "zimage": ZImageAdapter, "flux-kontext": FluxKontextAdapter,
-            "hunyuanvideo15": HunyuanVideo15Adapter}
+            "hunyuanvideo15": HunyuanVideo15Adapter, "qwenimage-edit": QwenImageEditAdapter}
 
 
 def load_adapter(model_cfg, device="cpu", sharded_reader: bool | None = None) -> ModelAdapter:
@@ -43,4 +44,4 @@ def load_adapter(model_cfg, device="cpu", sharded_reader: bool | None = None) ->
         return cls.from_config(model_cfg, device)
 
 
-__all__ = ["ADAPTERS", "WanAdapter", "ZImageAdapter", "FluxKontextAdapter", "HunyuanVideo15Adapter", "Flux2Adapter", "FluxAdapter", "QwenImageAdapter", "ModelAdapter", "PromptEmbeds", "SD3Adapter", "SD3_LORA_TARGETS", "SD3_PRESETS", "load_adapter"]
+__all__ = ["ADAPTERS", "WanAdapter", "ZImageAdapter", "FluxKontextAdapter", "HunyuanVideo15Adapter", "QwenImageEditAdapter", "Flux2Adapter", "FluxAdapter", "QwenImageAdapter", "ModelAdapter", "PromptEmbeds", "SD3Adapter", "SD3_LORA_TARGETS", "SD3_PRESETS", "load_adapter"]

@@ -131,6 +131,11 @@ class PipelineAdapter:
         return (config.get("in_channels", 16), r, r)
 
     @classmethod
+    def memory_source_shape(cls, model_cfg, config: dict) -> tuple[int, ...]:
+        """An editing family's source latent shape for a real checkpoint: here the output's."""
+        return cls.memory_latent_shape(model_cfg, config)
+
+    @classmethod
     def memory_heads(cls, config: dict) -> tuple[int, int]:
         """(attention heads, head width) of a transformer config, for ``flowrl memory``'s narrow replica."""
         return config["num_attention_heads"], config["attention_head_dim"]
@@ -331,9 +336,14 @@ class PipelineAdapter:
                                   f"images, at most {self.max_sources} (prompt {str(p)!r} has {len(k)})")
         cache = self.__dict__.setdefault("_source_cache", {})
         for k in sorted(set(keys) - set(cache)):
-            images = [load_source(key, self.resolution) for key in k]
+            images = [load_source(key, self.source_pixels()) for key in k]
             cache[k] = self._encode_source_images(images).float().to(self.device)
         return torch.stack([cache[k] for k in keys])
+
+    def source_pixels(self) -> int:
+        """Pixels per side a (square) source image is read at: ``model.resolution`` unless the family reads its
+        sources at a size of its own."""
+        return self.resolution
 
     def _encode_source_images(self, images: list) -> torch.Tensor:
         """(K, C, h, w) latents of K RGB PIL images of ``resolution`` pixels: the pipeline's image processor, then the

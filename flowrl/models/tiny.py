@@ -206,6 +206,37 @@ def build_tiny_qwenimage_pipeline(tiny, seed: int = 0):
                              transformer=transformer)
 
 
+def build_tiny_qwenimage_edit_pipeline(tiny, seed: int = 0):
+    """A tiny Qwen-Image-Edit pipeline: the tiny Qwen-Image architecture (:func:`build_tiny_qwenimage_pipeline`)
+    whose byte-level tokenizer also has Qwen2.5-VL's vision tokens, so that its text encoder (with its tiny vision
+    tower) reads the source image through a ``Qwen2VLProcessor`` as the real one does. The pipeline's template is
+    kept; the count of its leading tokens dropped from the embedding is this tokenizer's. Returns (pipeline,
+    {"source_side": tiny.resolution}): the tiny model reads sources at its own resolution, the real one at 1024 px."""
+    from diffusers import QwenImageEditPipeline
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor,
+                              Qwen2VLProcessor, Qwen2VLVideoProcessor)
+
+    base = build_tiny_qwenimage_pipeline(tiny, seed)
+    torch.manual_seed(seed + 1)
+    tokenizer = build_tiny_byte_level_tokenizer()
+    vision = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": vision})
+    tokenizer.image_token, tokenizer.video_token = "<|image_pad|>", "<|video_pad|>"
+    ids = tokenizer.convert_tokens_to_ids(vision)
+    config = base.text_encoder.config.to_dict()
+    config["text_config"]["vocab_size"] = len(tokenizer)
+    config.update(vision_start_token_id=ids[0], image_token_id=ids[1], vision_end_token_id=ids[2], video_token_id=ids[3])
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**{k: v for k, v in config.items()
+                                                                           if k not in ("architectures",)}))
+    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=56 * 56),
+                                 tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor())
+    pipe = QwenImageEditPipeline(scheduler=base.scheduler, vae=base.vae, text_encoder=text_encoder,
+                                 tokenizer=tokenizer, processor=processor, transformer=base.transformer)
+    prefix = pipe.prompt_template_encode.split("<|vision_start|>")[0]  # the system turn and "user" before the image
+    pipe.prompt_template_encode_start_idx = len(tokenizer(prefix).input_ids)
+    return pipe, {"source_side": tiny.resolution}
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
