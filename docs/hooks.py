@@ -43,11 +43,7 @@ def family_matrix_markdown() -> str:
             presets[family] = presets.get(family, 0) + 1
 
     def blocks(cls) -> str:
-        import diffusers
-
-        t = getattr(diffusers, cls.transformer_class_name)
-        units = getattr(t, "_repeated_blocks", None) or getattr(t, "_no_split_modules", None) or []
-        return ", ".join(f"`{u}`" for u in units) or "no"
+        return ", ".join(f"`{u}`" for u in cls.fsdp_units()) or "no"
 
     rows = {
         "generates": lambda c: "videos" if c.video else ("image edits (a source image per prompt)" if c.edits

@@ -142,7 +142,8 @@ class Policy:
         modules = [adapter.transformer] + ([self.frozen] if self.frozen is not None else [])
         self.mesh = sharding.device_mesh(device, self.accelerator.num_processes, cfg.train.fsdp)
         for m in modules:
-            sharding.shard_from_main(m, self.mesh, cfg.train.fsdp, cfg.train.mixed_precision, device, procs)
+            sharding.shard_from_main(m, self.mesh, cfg.train.fsdp, cfg.train.mixed_precision, device, procs,
+                                     type(adapter).fsdp_units())
 
     def clip_gradients(self, max_norm: float) -> float:
         """Clip the trainable weights' gradient norm; returns the norm before clipping."""

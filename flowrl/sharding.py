@@ -30,9 +30,11 @@ import torch
 from .errors import ConfigError
 
 
-def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer's repeated blocks (one FSDP unit each), in module order."""
-    names = set(getattr(transformer, "_repeated_blocks", None) or getattr(transformer, "_no_split_modules", None) or [])
+def repeated_blocks(transformer: torch.nn.Module, units: tuple[str, ...] | None = None) -> list[torch.nn.Module]:
+    """The transformer's FSDP units in module order: the modules whose class is named in ``units`` (the family's
+    declaration, ``fsdp_units``), else in the transformer's own ``_repeated_blocks`` / ``_no_split_modules``."""
+    names = set(units or getattr(transformer, "_repeated_blocks", None) or getattr(transformer, "_no_split_modules", None)
+                or [])
     blocks = [m for m in transformer.modules() if type(m).__name__ in names]
     if not blocks:
         raise ConfigError(f"train.fsdp: {type(transformer).__name__} declares no repeated blocks to shard; set "
@@ -111,16 +113,17 @@ def device_mesh(device: torch.device, world: int, fsdp_cfg):
     return init_device_mesh(kind, (replicas, shard), mesh_dim_names=("replicate", "shard"))
 
 
-def shard_module(module: torch.nn.Module, mesh, fsdp_cfg, mixed_precision: str) -> None:
-    """FSDP2 on ``module``: each repeated block a unit, the module the root. bf16 (or fp16) compute where
-    ``train.mixed_precision`` asks, with fp32 master weights and fp32 gradient reduction."""
+def shard_module(module: torch.nn.Module, mesh, fsdp_cfg, mixed_precision: str,
+                 units: tuple[str, ...] | None = None) -> None:
+    """FSDP2 on ``module``: each unit (:func:`repeated_blocks`) sharded on its own, the module the root. bf16 (or
+    fp16) compute where ``train.mixed_precision`` asks, with fp32 master weights and fp32 gradient reduction."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
     options = dict(mesh=mesh, reshard_after_forward=fsdp_cfg.reshard_after_forward,
                    mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
                    offload_policy=CPUOffloadPolicy() if fsdp_cfg.cpu_offload else OffloadPolicy())
-    units = repeated_blocks(module)
+    units = repeated_blocks(module, units)
     for block in units:
         fully_shard(block, **options)
     fully_shard(module, **options)
@@ -140,7 +143,7 @@ def reshard(module: torch.nn.Module) -> None:
 
 
 def shard_from_main(module: torch.nn.Module, mesh, fsdp_cfg, mixed_precision: str, device: torch.device,
-                    procs) -> None:
+                    procs, units: tuple[str, ...] | None = None) -> None:
     """Shard ``module`` with the main process's weights: only the main process needs them (the others may have
     built the module on the meta device, without weights). Every process turns the module into meta tensors,
     shards it, allocates its own shards on ``device`` and receives them from the main process, one tensor at a
@@ -154,7 +157,7 @@ def shard_from_main(module: torch.nn.Module, mesh, fsdp_cfg, mixed_precision: st
     extra = {n: b.detach().cpu() for n, b in module.named_buffers() if n not in persistent} if procs.is_main else None
     extra = procs.broadcast(extra)
     module.to("meta")
-    shard_module(module, mesh, fsdp_cfg, mixed_precision)
+    shard_module(module, mesh, fsdp_cfg, mixed_precision, units)
     module.to_empty(device=device)
     set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     with torch.no_grad():

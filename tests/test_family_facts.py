@@ -80,6 +80,10 @@ class WidePatchAdapter(SD3Adapter):
     def context_parallel_plan(cls):
         return None
 
+    @classmethod
+    def fsdp_units(cls):
+        return ("PatchEmbed", "JointTransformerBlock")  # its own units, not the class's declaration
+
 
 @pytest.fixture
 def plugin_family():
@@ -141,3 +145,25 @@ def test_extra_transformers_and_the_padding_sigma_come_from_the_adapter():
     one = load_adapter(load_config(None, []).model)
     assert one.extra_transformers() == [] and one.pad_sigma() == 0.5
     assert torch.is_tensor(one.default_sigmas(4, 32))
+
+
+def test_a_family_declares_its_fsdp_units():
+    """Each adapter answers which modules FSDP2 shards one at a time; the sharding code shards exactly those (one
+    process here: a mesh of one)."""
+    import torch
+    from diffusers import SD3Transformer2DModel
+
+    from flowrl.models import ADAPTERS
+    from flowrl.sharding import repeated_blocks
+
+    assert ADAPTERS["sd3"].fsdp_units() == tuple(SD3Transformer2DModel._repeated_blocks or
+                                                 SD3Transformer2DModel._no_split_modules)
+    assert "HunyuanVideo15TransformerBlock" in ADAPTERS["hunyuanvideo15"].fsdp_units()
+    assert ADAPTERS["flux-kontext"].fsdp_units() == ADAPTERS["flux"].fsdp_units()
+    with torch.device("meta"):
+        model = SD3Transformer2DModel(num_layers=2, attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                      caption_projection_dim=16, pooled_projection_dim=8, sample_size=8, patch_size=2,
+                                      in_channels=4, out_channels=4, pos_embed_max_size=8)
+    declared = repeated_blocks(model, WidePatchAdapter.fsdp_units())
+    assert [type(m).__name__ for m in declared] == ["PatchEmbed", "JointTransformerBlock", "JointTransformerBlock"]
+    assert [type(m).__name__ for m in repeated_blocks(model)] == ["JointTransformerBlock"] * 2  # the class's own

@@ -57,6 +57,10 @@ CASES = {
     "flux_kontext_lora": ("tiny_flow_grpo.yaml", ["model.family=flux-kontext", "model.resolution=32",
                                                   "model.tiny.resolution=32", "data.prompt_set=shapes-edit-train",
                                                   "train.prompts_per_iter=2", "sampler.num_steps=4"]),
+    # Qwen-Image-Edit: requests whose text embedding depends on the source (different lengths, masked)
+    "qwenimage_edit_lora": ("tiny_flow_grpo.yaml", ["model.family=qwenimage-edit", "model.resolution=32",
+                                                    "model.tiny.resolution=32", "data.prompt_set=shapes-edit-train",
+                                                    "train.prompts_per_iter=2", "sampler.num_steps=4"]),
     "zimage_lora": ("tiny_flow_grpo.yaml", ["model.family=zimage", "model.resolution=32", "model.tiny.resolution=32",
                                             "train.prompts_per_iter=2", "sampler.num_steps=4"]),
 }

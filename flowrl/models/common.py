@@ -117,6 +117,15 @@ class PipelineAdapter:
         return cls.real_patch_pixels
 
     @classmethod
+    def fsdp_units(cls) -> tuple[str, ...]:
+        """Class names of the transformer's modules that FSDP2 shards one at a time: the transformer class's
+        ``_repeated_blocks`` (else ``_no_split_modules``); a family whose blocks are split otherwise overrides it."""
+        import diffusers
+
+        t = getattr(diffusers, cls.transformer_class_name, None)
+        return tuple(getattr(t, "_repeated_blocks", None) or getattr(t, "_no_split_modules", None) or ())
+
+    @classmethod
     def context_parallel_plan(cls) -> dict | None:
         """diffusers' context-parallel plan of this family's transformer (``_cp_plan``), or None without one."""
         import diffusers
