@@ -69,6 +69,11 @@ CASES = {
 SLOW = {"flow_grpo_lora", "flow_grpo_full", "branch_grpo_pruned", "branch_grpo_pruned_full", "superflow_unequal_full", "wan22_two_experts", "flow_grpo_hsdp", "wan_ulysses_fsdp"}
 
 
+# families whose prompts encode to different token counts, padded to the longest of the batch a process holds: one
+# process pads every prompt of the iteration together, two pad their halves apart, so values agree to rounding
+PADDED_TEXT = {"qwenimage_edit_lora"}
+
+
 def _cases(names):
     """The cases, the slower ones marked slow (``make test-slow`` runs them) to keep the default suite short."""
     return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in names]
@@ -84,7 +89,10 @@ def test_fsdp_two_processes_equal_one_unsharded_process(tmp_path, case):
     for a, b in zip(one, two):
         for k in EXACT:
             if k in a:
-                assert a[k] == b[k], k
+                if case in PADDED_TEXT:  # each process pads its own prompts: matmuls of other sizes round apart
+                    assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
+                else:
+                    assert a[k] == b[k], k
         for k in (k for k in CLOSE if k in a or k in b):  # the statistics this objective measures
             assert k in a and k in b, k
             # the mean |log ratio| (~5e-5 after a full fine-tuning step) is a mean of differences of fp32 log-probs
