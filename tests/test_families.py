@@ -195,12 +195,9 @@ def test_zimage_first_sde_step_mean_equals_the_pipeline_transformers():
 
 
 def test_flux_kontext_rollout_equals_flux_kontext_pipeline():
-    """Noise off, the same source image (a PNG file) and instruction: FluxKontextPipeline's images (at
-    model.resolution, no auto-resize), for two sources; another source changes the result."""
-    from PIL import Image
-
+    """Noise off, the same source image and instruction: FluxKontextPipeline's images (at model.resolution, no
+    auto-resize), for two sources; another source changes the result."""
     from flowrl.editing import load_source
-    from flowrl.models.flux import pack
 
     cfg = family_cfg("flux-kontext")
     adapter = load_adapter(cfg.model)

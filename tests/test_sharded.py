@@ -60,7 +60,9 @@ CASES = {
     # Qwen-Image-Edit: requests whose text embedding depends on the source (different lengths, masked)
     "qwenimage_edit_lora": ("tiny_flow_grpo.yaml", ["model.family=qwenimage-edit", "model.resolution=32",
                                                     "model.tiny.resolution=32", "data.prompt_set=shapes-edit-train",
-                                                    "train.prompts_per_iter=2", "sampler.num_steps=4"]),
+                                                    "train.prompts_per_iter=2", "sampler.num_steps=4",
+                                                    # a continuous reward: JPEG sizes jump with one pixel's rounding
+                                                    "rewards=[{name: 'tests.helpers:brightness'}]"]),
     "zimage_lora": ("tiny_flow_grpo.yaml", ["model.family=zimage", "model.resolution=32", "model.tiny.resolution=32",
                                             "train.prompts_per_iter=2", "sampler.num_steps=4"]),
 }

@@ -11,8 +11,6 @@ Kontext's preferred resolutions by default; here it is resized to ``model.resolu
 
 from __future__ import annotations
 
-import torch
-
 from .flux import FLUX_LORA_TARGETS, FluxAdapter, image_ids, pack
 from .published import FLUX1_DEV
 
