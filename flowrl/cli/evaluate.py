@@ -15,6 +15,7 @@ def cmd_eval(args) -> int:
     """The config's held-out evaluation (log.eval; one JSON line) of the shipped model (no arguments: the main
     job's preset) or of a run's checkpoint; with
     --prompts / --reward, the papers' reward table (mean and std per metric) on a prompt file, also as CSV."""
+    from ..editing import prepend_sources
     from ..evaluate import format_table, group_means, per_prompt_means, reward_table
     from ..models import load_adapter
     from ..policy import load_trained_weights
@@ -48,7 +49,8 @@ def cmd_eval(args) -> int:
     write_csv(out.with_name(out.stem + "_prompts.csv"), per_prompt_means(samples, [r["metric"] for r in summary]))
     write_csv(out, summary)
     grid = out.with_name(out.stem + "_grid.png")  # videos: frame strips, and a GIF and an MP4 beside it
-    save_grid(images, len(seeds), grid, row_labels=prompts[:grid_prompts])
+    shown = prepend_sources(images, prompts[:grid_prompts], len(seeds))  # edit requests: the source first
+    save_grid(shown, shown.shape[0] // grid_prompts, grid, row_labels=prompts[:grid_prompts])
     print(format_table(summary))
     report = {**info, "prompts": len(prompts), "seeds": seeds, "csv": str(out),
               "samples_csv": str(out.with_name(out.stem + "_samples.csv")),
