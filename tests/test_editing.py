@@ -198,3 +198,22 @@ def test_an_editing_run_trains_samples_and_evaluates(tmp_path):
     result = json.loads((run / "eval.json").read_text())
     assert result["before"]["images"] == 72 and set(result["after"]) >= {"edit", "asked", "kept", "per_attribute"}
     assert (run / "before_after.png").is_file()
+
+
+@pytest.mark.parametrize("family, text_encodes", [("flux-kontext", 1), ("qwenimage-edit", 2)])
+def test_an_instruction_over_two_sources(family, text_encodes, monkeypatch):
+    """Two sources of one instruction are two rows with their own source latents. FLUX.1 Kontext encodes the
+    instruction's text once; Qwen-Image-Edit's text encoder reads each source, so it encodes twice."""
+    from flowrl.models import load_adapter
+
+    adapter = load_adapter(load_config(None, [f"model.family={family}", "model.resolution=32",
+                                              "model.tiny.resolution=32"]).model)
+    calls = []
+    inner = adapter._encode_one
+    monkeypatch.setattr(adapter, "_encode_one", lambda p: calls.append(p) or inner(p))
+    a = EditPrompt("make the shape red", ["shapes:a green circle on a blue background#3"])
+    b = EditPrompt("make the shape red", ["shapes:a white square on a black background#4"])
+    batch = adapter.encode_prompts([a, b, a])
+    assert len(calls) == text_encodes
+    assert torch.equal(batch.reference[0], batch.reference[2]) and not torch.equal(batch.reference[0], batch.reference[1])
+    assert torch.equal(batch.embeds[0], batch.embeds[1]) == (text_encodes == 1)

@@ -314,11 +314,14 @@ class PipelineAdapter:
         """Embeddings for each prompt, computed once per distinct string and cached."""
         # One prompt per call: batched matmuls can round differently with batch composition, and a prompt's
         # embedding must not depend on which other prompts happened to be encoded with it (exact resume).
-        for p in sorted({p for p in prompts if p not in self._cache}):
-            embeds, pooled = self._encode_one(p)
-            self._cache[p] = (embeds.float().to(self.device), pooled.float().to(self.device))
+        requests, keys = prompts, [self._text_key(p) for p in prompts]
+        todo = {k: p for k, p in zip(keys, prompts) if k not in self._cache}
+        for key in sorted(todo):
+            embeds, pooled = self._encode_one(todo[key])
+            self._cache[key] = (embeds.float().to(self.device), pooled.float().to(self.device))
+        prompts = keys  # the cache's rows from here on
         pooled = torch.stack([self._cache[p][1] for p in prompts])
-        reference = self.encode_sources(prompts) if self.edits else None
+        reference = self.encode_sources(requests) if self.edits else None
         if not self.variable_length:
             return PromptEmbeds(torch.stack([self._cache[p][0] for p in prompts]), pooled, None, reference)
         rows = [PromptEmbeds(self._cache[p][0][None], pooled[k: k + 1]) for k, p in enumerate(prompts)]
@@ -348,6 +351,13 @@ class PipelineAdapter:
             images = [load_source(key, self.source_pixels()) for key in k]
             cache[k] = self._encode_source_images(images).float().to(self.device)
         return torch.stack([cache[k] for k in keys])
+
+    text_reads_sources = False  # an editing family whose text encoder also reads the source images
+
+    def _text_key(self, prompt: str):
+        """The text cache's key: the instruction alone, unless the text encoder reads the sources too (an edit
+        request's embedding then depends on them), so that an instruction over many sources is encoded once."""
+        return prompt if self.text_reads_sources else str(prompt)
 
     def source_pixels(self) -> int:
         """Pixels per side a (square) source image is read at: ``model.resolution`` unless the family reads its

@@ -33,6 +33,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
     presets = {"qwen-image-edit": "Qwen/Qwen-Image-Edit"}
     tiny_builder = "build_tiny_qwenimage_edit_pipeline"
     edits = True
+    text_reads_sources = True  # Qwen2.5-VL reads the source with the instruction
     source_side = 1024  # pixels per side of a (square) source, as the pipeline resizes it
 
     @classmethod
