@@ -18,6 +18,7 @@ import torch
 from ..editing import EditPrompt, sources_of
 from ..errors import RewardError
 from .domain import COLORS, SHAPES, ShapeSpec, article, parse_prompt, render, split_specs
+from .evaluate import ShapesEvaluator
 from .reward import ShapesAccuracy, ShapesReward
 
 EDIT_SEED = 4321
@@ -144,24 +145,14 @@ def edit_accuracy(sampler, seeds: list[int], split: str = "shapes-edit-heldout",
     return (result, images) if return_images else result
 
 
-class ShapesEditEvaluator:
+class ShapesEditEvaluator(ShapesEvaluator):
     """``log.eval: shapes-edit``: held-out edit accuracy on the shapes edit requests, and with ``grid=True`` the
     results of a few requests (one per source, every attribute) for the source | before | after grid."""
 
-    GRID_PROMPTS = 6
-    GRID_COLUMNS = 4
     headline = "edit"
     about = {"title": "held-out edit accuracy: asked attribute right, the others kept (ODE)", "scale": 100.0,
              "unit": "%"}
     title_numbers = (("edit", "edit accuracy", ".2f"), ("kept", "kept the others", ".2f"))
     splits = {"heldout": "shapes-edit-heldout", "train": "shapes-edit-train"}
-
-    def __call__(self, sampler, seeds: list[int], grid: bool = False, split: str = "heldout"):
-        if not grid:
-            return edit_accuracy(sampler, seeds, split=self.splits.get(split, split))
-        result, images = edit_accuracy(sampler, seeds, return_images=True)
-        held = heldout_edit_prompts()
-        picks = list(range(0, len(held), max(1, len(held) // self.GRID_PROMPTS)))[: self.GRID_PROMPTS]
-        cols = min(self.GRID_COLUMNS, len(seeds))
-        chosen = torch.cat([images[i * len(seeds): i * len(seeds) + cols] for i in picks])
-        return result, chosen, [held[i] for i in picks]
+    measure = staticmethod(edit_accuracy)
+    heldout = staticmethod(heldout_edit_prompts)

@@ -48,12 +48,15 @@ class ShapesEvaluator:
                      ("background_noise", "background noise", ".1f"))  # texture the checker ignores
 
     splits = {"heldout": "shapes-heldout", "train": "shapes-train"}  # `flowrl eval --split`: prompt-set names
+    # what a subclass measures: measure(sampler, seeds, split=..., return_images=...), and its held-out prompts
+    measure = staticmethod(shapes_accuracy)
+    heldout = staticmethod(heldout_prompts)
 
     def __call__(self, sampler, seeds: list[int], grid: bool = False, split: str = "heldout"):
         if not grid:
-            return shapes_accuracy(sampler, seeds, split=self.splits.get(split, split))
-        result, images = shapes_accuracy(sampler, seeds, return_images=True)
-        held = heldout_prompts()
+            return self.measure(sampler, seeds, split=self.splits.get(split, split))
+        result, images = self.measure(sampler, seeds, return_images=True)
+        held = self.heldout()
         picks = list(range(0, len(held), max(1, len(held) // self.GRID_PROMPTS)))[: self.GRID_PROMPTS]
         cols = min(self.GRID_COLUMNS, len(seeds))
         chosen = torch.cat([images[i * len(seeds): i * len(seeds) + cols] for i in picks])
@@ -91,13 +94,5 @@ class MovingShapesEvaluator(ShapesEvaluator):
 
     about = {**ShapesEvaluator.about, "title": "held-out accuracy, all four (ODE)"}
     splits = {"heldout": "moving-shapes-heldout", "train": "moving-shapes-train"}
-
-    def __call__(self, sampler, seeds: list[int], grid: bool = False, split: str = "heldout"):
-        if not grid:
-            return moving_shapes_accuracy(sampler, seeds, split=self.splits.get(split, split))
-        result, videos = moving_shapes_accuracy(sampler, seeds, return_images=True)
-        held = moving.heldout_prompts()
-        picks = list(range(0, len(held), max(1, len(held) // self.GRID_PROMPTS)))[: self.GRID_PROMPTS]
-        cols = min(self.GRID_COLUMNS, len(seeds))
-        chosen = torch.cat([videos[i * len(seeds): i * len(seeds) + cols] for i in picks])
-        return result, chosen, [held[i] for i in picks]
+    measure = staticmethod(moving_shapes_accuracy)
+    heldout = staticmethod(moving.heldout_prompts)
