@@ -127,8 +127,13 @@ class PipelineAdapter:
 
     @classmethod
     def context_parallel_plan(cls) -> dict | None:
-        """diffusers' context-parallel plan of this family's transformer (``_cp_plan``), or None without one."""
+        """diffusers' context-parallel plan of this family's transformer (``_cp_plan``), or None without one. An
+        editing family has none: its sequence carries the source's tokens after the image's, which the plan's
+        split has not been tested with."""
         import diffusers
+
+        if cls.edits:
+            return None
 
         return getattr(getattr(diffusers, cls.transformer_class_name, None), "_cp_plan", None) or None
 
