@@ -78,7 +78,7 @@ def edit_prompt_from_row(prompt: str, row: dict, where: str) -> str:
 
 def check_source(key: str, where: str) -> None:
     """One line if ``key`` names no readable image (a missing or unreadable file, an unknown scheme)."""
-    scheme = _scheme(key)
+    scheme = source_scheme(key)
     if scheme == "memory":
         if key not in _IN_MEMORY:
             raise ConfigError(f"{where}: {key} names no image this process has read")
@@ -115,7 +115,8 @@ def remember_image(image) -> str:
     return key
 
 
-def _scheme(key: str) -> str | None:
+def source_scheme(key: str) -> str | None:
+    """The scheme of a ``scheme:spec`` source key (``shapes``, ``memory``), or None for a path."""
     head, sep, _ = key.partition(":")
     # a Windows drive letter (C:\...) is a path, not a scheme
     return head if sep and len(head) > 1 and head.isidentifier() else None
@@ -131,7 +132,7 @@ def load_source(key: str, size: int):
 def _load_source(key: str, size: int):
     from PIL import Image
 
-    scheme = _scheme(key)
+    scheme = source_scheme(key)
     if scheme == "memory":
         check_source(key, "source image")
         image = _IN_MEMORY[key]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .editing import edit_prompt_from_row, remember_image
+from .editing import edit_prompt_from_row, remember_image, source_scheme
 from .errors import ConfigError
 
 DEFAULT_TINY_PROMPTS = [
@@ -37,7 +37,7 @@ PATH_FIELDS = (*SOURCE_FIELDS, "mask")  # image paths a prompt file's rows give 
 def _beside(path: Path, value):
     """Source keys relative to the prompt file's folder (schemes and absolute paths as they are)."""
     if isinstance(value, str):
-        return value if ":" in value or Path(value).is_absolute() else str(path.parent / value)
+        return value if source_scheme(value) or Path(value).is_absolute() else str(path.parent / value)
     return [_beside(path, v) for v in value] if isinstance(value, list) else value
 
 
