@@ -122,8 +122,8 @@ class ModelConfig(Section):
                       "family registered with "
                       "flowrl.registry.register_model_family, or module:Class of a plug-in adapter")
     num_frames: int = opt(17, "video frames (wan, hunyuanvideo15): 4k + 1 for Wan's 4x temporal compression", lo=1)
-    pretrained: Optional[str] = opt("tiny", "'tiny' (random init), 'tiny-shapes' / 'tiny-moving-shapes' (the shipped "
-                                    "pretrained image / video models), a "
+    pretrained: Optional[str] = opt("tiny", "'tiny' (random init), 'tiny-shapes' / 'tiny-moving-shapes' / "
+                                    "'tiny-shapes-edit' (the shipped pretrained image / video / editing models), a "
                                     "preset (sd3.5-medium, sd3.5-large), a hub id or a local diffusers folder")
     dtype: str = opt("fp32", "weights dtype of the transformer", choices=["fp32", "bf16", "fp16"])
     resolution: int = opt(16, "image resolution in pixels", lo=8)

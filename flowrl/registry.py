@@ -128,6 +128,7 @@ COMMANDS = Registry("command", {"shapes-demo": "flowrl.shapes.commands:add_comma
 MODEL_NAMES = Registry("model.pretrained", {
     "tiny-shapes": "flowrl.shapes.image_model:load_tiny_shapes_pipeline",
     "tiny-moving-shapes": "flowrl.shapes.video_model:load_tiny_moving_shapes_pipeline",
+    "tiny-shapes-edit": "flowrl.shapes.image_model:load_tiny_shapes_edit_pipeline",
     # published architectures with random weights (time and memory at real size)
     "random-sd3.5-medium": "flowrl.models.published:random_sd35_medium",
     "random-sd3.5-medium-shrunk": "flowrl.models.published:random_sd35_medium_shrunk"})

@@ -95,7 +95,8 @@ def resolve_pretrained_dir(reward: str, name_or_path: str, needed: str = "config
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """A state dict from .safetensors or a torch pickle (weights_only), unwrapped from ``{'state_dict': ...}``
+    """A state dict from .safetensors or a torch pickle (weights_only), unwrapped from ``{'state_dict': ...}`` or
+    ``{'model': ...}``
     and stripped of a DataParallel ``module.`` prefix."""
     path = Path(path)
     if not path.is_file():
@@ -111,8 +112,9 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise RewardError(f"{path}: unreadable checkpoint ({reason}); expected safetensors or a torch state dict "
                           "loadable with weights_only=True") from exc
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]
+    for wrapper in ("state_dict", "model"):  # {'state_dict': ...} (Lightning), {'model': ...} (trainers' saves)
+        if isinstance(state, dict) and wrapper in state and isinstance(state[wrapper], dict):
+            state = state[wrapper]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise RewardError(f"{path}: not a state dict (a mapping of names to tensors)")
     if state and all(k.startswith("module.") for k in state):

@@ -93,7 +93,8 @@ class EditGate:
 
     Args:
         instruction: the instruction-following reward, ``{name: ..., args: {...}}``.
-        preservation: the preservation reward's arguments (see :class:`Preservation`).
+        preservation: the preservation reward's arguments (see :class:`Preservation`), or another reward in [0, 1]
+            that measures what the edit kept, ``{name: ..., args: {...}}`` (a task's own check).
         threshold: preservation at and above which the instruction reward counts in full.
         floor: preservation at and below which the reward is ``below`` (default: ``threshold``, a hard gate).
         below: the reward of an edit that does not preserve the source; keep it under the instruction reward's range.
@@ -113,7 +114,11 @@ class EditGate:
         if not isinstance(instruction, dict) or "name" not in instruction:
             raise RewardError("edit_gate: instruction must be {name: <reward>, args: {...}}")
         self.instruction = build_reward(instruction["name"], **instruction.get("args", {}))
-        self.preservation = Preservation(**(preservation or {}))
+        preservation = preservation or {}
+        if "name" in preservation:
+            self.preservation = build_reward(preservation["name"], **preservation.get("args", {}))
+        else:
+            self.preservation = Preservation(**preservation)
         self.threshold, self.floor, self.below, self.mode = threshold, floor, below, mode
         self.instruction_weight = instruction_weight
 

@@ -1,5 +1,6 @@
-"""Reward models on a Qwen2-VL backbone (HPSv3, VideoReward): the backbone without its language-model head, a reward
-head read at special tokens, checkpoint loading in either transformers layout, and Qwen2-VL's resize rule."""
+"""Reward models on a Qwen2-VL or Qwen2.5-VL backbone (HPSv3, VideoReward, EditReward): the backbone without its
+language-model head, one reward head or several (read at special tokens), checkpoint loading in either transformers
+layout, and Qwen2-VL's resize rule."""
 
 from __future__ import annotations
 
@@ -29,31 +30,40 @@ def resized_side(height: int, width: int, pixels: int = PIXELS, factor: int = 28
 
 
 class QwenVLRewardModel(torch.nn.Module):
-    """Qwen2-VL (without its language-model head) and a reward head read at special tokens: HPSv3's ``ranknet``
-    head (Linear(h, 1024), ReLU, Dropout, Linear(1024, 16), ReLU, Linear(16, outputs)) or VideoReward's plain
-    ``linear`` head (Linear(h, outputs), no bias), both in fp32."""
+    """A Qwen2-VL / Qwen2.5-VL backbone (the config's ``model_type`` picks it; without its language-model head) and
+    a reward head read at special tokens: HPSv3's ``ranknet`` head (Linear(h, 1024), ReLU, Dropout, Linear(1024, 16),
+    ReLU, Linear(16, outputs)) or VideoReward's plain ``linear`` head (Linear(h, outputs), no bias), in fp32. With
+    ``heads`` > 1 there are that many heads (``rm_heads.head_<i>``, EditReward's), each read on its own input."""
 
-    def __init__(self, config, head: str = "ranknet", outputs: int = 2):
+    def __init__(self, config, head: str = "ranknet", outputs: int = 2, heads: int = 1):
         super().__init__()
-        from transformers import Qwen2VLModel
+        from transformers import AutoModel
 
-        self.backbone = Qwen2VLModel(config)
+        self.backbone = AutoModel.from_config(config)
         hidden = config.text_config.hidden_size if hasattr(config, "text_config") else config.hidden_size
-        if head == "ranknet":
-            self.rm_head = torch.nn.Sequential(torch.nn.Linear(hidden, 1024), torch.nn.ReLU(), torch.nn.Dropout(0.05),
-                                               torch.nn.Linear(1024, 16), torch.nn.ReLU(), torch.nn.Linear(16, outputs))
-        else:
-            self.rm_head = torch.nn.Linear(hidden, outputs, bias=False)
 
-    def forward(self, inputs: dict, token_ids: list[int]) -> torch.Tensor:
+        def build():
+            if head == "ranknet":
+                return torch.nn.Sequential(torch.nn.Linear(hidden, 1024), torch.nn.ReLU(), torch.nn.Dropout(0.05),
+                                           torch.nn.Linear(1024, 16), torch.nn.ReLU(), torch.nn.Linear(16, outputs))
+            return torch.nn.Linear(hidden, outputs, bias=False)
+
+        if heads == 1:
+            self.rm_head = build()
+        else:
+            self.rm_heads = torch.nn.ModuleDict({f"head_{i}": build() for i in range(heads)})
+
+    def forward(self, inputs: dict, token_ids: list[int], head: int | None = None) -> torch.Tensor:
         """Args:
             inputs: the processor's batch (input_ids (B, L), attention_mask, pixel values and grids).
             token_ids: the reward tokens' ids, K of them; each row holds each exactly once.
+            head: which of several heads reads them (None: the one head).
         Returns:
             (B, K, outputs): the head at each reward token, in the order of ``token_ids``.
         """
         hidden = self.backbone(**inputs).last_hidden_state  # (B, L, h)
-        logits = self.rm_head(hidden.float())  # (B, L, outputs)
+        module = self.rm_head if head is None else self.rm_heads[f"head_{head}"]
+        logits = module(hidden.float())  # (B, L, outputs)
         picked = []
         for tid in token_ids:
             at = inputs["input_ids"] == tid
@@ -78,7 +88,7 @@ def remap_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_reward_model(config_folder: str, weights, head: str, outputs: int) -> QwenVLRewardModel:
+def load_reward_model(config_folder: str, weights, head: str, outputs: int, heads: int = 1) -> QwenVLRewardModel:
     """A :class:`QwenVLRewardModel` of the folder's architecture with the checkpoint's weights (either transformers
     layout; a language model whose vocabulary was resized for the reward tokens keeps the checkpoint's size)."""
     from transformers import AutoConfig
@@ -88,7 +98,7 @@ def load_reward_model(config_folder: str, weights, head: str, outputs: int) -> Q
     except ImportError:  # transformers 4
         from transformers.modeling_utils import no_init_weights
     with no_init_weights():
-        model = QwenVLRewardModel(AutoConfig.from_pretrained(config_folder), head, outputs)
+        model = QwenVLRewardModel(AutoConfig.from_pretrained(config_folder), head, outputs, heads)
     state = remap_keys(read_state_dict(weights))
     embed = state.get("backbone.language_model.embed_tokens.weight")
     current = model.backbone.language_model.embed_tokens
@@ -99,9 +109,10 @@ def load_reward_model(config_folder: str, weights, head: str, outputs: int) -> Q
 
 
 def load_qwen_vl_reward(reward: str, checkpoint: str | None, base: str, repo_id: str, filename: str,
-                        tokens: tuple[str, ...], head: str, outputs: int, dtype: str, device: str):
-    """The processor (with the reward tokens added), the tokens' ids and the model on ``device`` for a Qwen2-VL
-    reward model: ``base`` gives the architecture and processor, ``checkpoint`` (or ``filename`` from ``repo_id``)
+                        tokens: tuple[str, ...], head: str, outputs: int, dtype: str, device: str, heads: int = 1):
+    """The processor (with the reward tokens added), the tokens' ids and the model on ``device`` for a Qwen2-VL or
+    Qwen2.5-VL reward model with ``heads`` reward heads: ``base`` gives the architecture and processor,
+    ``checkpoint`` (or ``filename`` from ``repo_id``)
     the weights; the backbone in ``dtype`` (bf16 or fp32), the head in fp32.
 
     Returns:
@@ -119,7 +130,7 @@ def load_qwen_vl_reward(reward: str, checkpoint: str | None, base: str, repo_id:
     tok = processor.tokenizer
     if any(t not in tok.get_vocab() for t in tokens):
         tok.add_special_tokens({"additional_special_tokens": list(tokens)})
-    model = load_reward_model(folder, weights, head, outputs)
+    model = load_reward_model(folder, weights, head, outputs, heads)
     if dtype == "bf16":
         model.backbone.to(torch.bfloat16)
     model = model.to(torch.device(device)).eval().requires_grad_(False)

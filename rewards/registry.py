@@ -32,6 +32,7 @@ REWARDS = Registry("reward", {
     "vlm_judge": "flowrl.rewards.vlm_judge:VLMJudge",
     "preservation": "flowrl.rewards.preservation:Preservation",
     "edit_gate": "flowrl.rewards.preservation:EditGate",
+    "editreward": "flowrl.rewards.editreward:EditReward",
     # the shapes demo's, outside this package
     "shapes": "flowrl.shapes.reward:ShapesReward", "shapes_accuracy": "flowrl.shapes.reward:ShapesAccuracy",
     "shapes_edit": "flowrl.shapes.editing:ShapesEditReward",

@@ -156,6 +156,85 @@ def test_shapes_edit_requests_targets_and_reward():
     assert scores[0] > max(scores[1], scores[2]) + 0.05
 
 
+def test_shapes_edit_reward_parts_by_hand():
+    """The asked part scores the asked attribute alone and the kept part the two others: the exact edit earns 1 on
+    both; the untouched source earns 0 asked; repainting the shape as well keeps the asked score and loses the kept
+    score. The gate with the kept part as its preservation closes on the
+    repainting."""
+    from flowrl.shapes.domain import parse_prompt, render
+    from flowrl.shapes.editing import ShapesEditReward
+
+    request = EditPrompt("make the background yellow", ["shapes:a green square on a blue background#7"])
+
+    def draw(caption):
+        return torch.from_numpy(render(parse_prompt(caption), 32, 7)).permute(2, 0, 1)[None].float() / 255
+
+    images = torch.cat([draw("a green square on a yellow background"), draw("a red square on a yellow background"),
+                        source_tensor([request], 32)])
+    asked = ShapesEditReward(part="asked")(images, [request] * 3)
+    kept = ShapesEditReward(part="kept")(images, [request] * 3)
+    assert asked.tolist() == pytest.approx([1.0, 1.0, 0.0])
+    assert kept[0] > 0.75  # (colour 1 + the square's margin score over the circle's template, 0.6) / 2
+    # no green pixel left: colour 0, and the shape (read off the asked colour's mask) scores margin 0, i.e. 0.5
+    assert kept[1] == pytest.approx(0.25)
+    both = ShapesEditReward(part="all")(images, [request] * 3)
+    assert both.tolist() == pytest.approx(((asked + 2 * kept) / 3).tolist())
+    gate = EditGate({"name": "shapes_edit", "args": {"part": "asked"}},
+                    {"name": "shapes_edit", "args": {"part": "kept"}}, threshold=0.75)
+    assert gate(images, [request] * 3).tolist() == pytest.approx([1.0, 0.0, 0.0])
+    with pytest.raises(RewardError, match="part='some'"):
+        ShapesEditReward(part="some")
+
+
+def test_edit_pairs_keep_the_shape_in_place():
+    """The pretraining pairs: the instruction parses to the target the image shows, rendered at the source's size
+    and position (only the asked attribute's pixels differ)."""
+    import random
+
+    from flowrl.shapes.domain import split_specs
+    from flowrl.shapes.editing import target_of
+    from flowrl.shapes.pretrain_edit import edit_batch
+    from flowrl.shapes.reward import classify
+
+    source, target, texts = edit_batch(split_specs()[0], 24, random.Random(0), 16)
+    assert source.shape == target.shape == (24, 3, 16, 16) and source.min() >= -1 and target.max() <= 1
+    for s, t, text in zip(classify(source / 2 + 0.5), classify(target / 2 + 0.5), texts):
+        from flowrl.shapes.domain import ShapeSpec
+
+        attribute, want = target_of(ShapeSpec(s[2], s[1], s[0]), text)
+        assert (t[2], t[1], t[0]) == (want.shape, want.color, want.background)
+    shape_edits = [i for i, t in enumerate(texts) if t.startswith("turn")]
+    colour_edits = [i for i, t in enumerate(texts) if t.startswith("make the shape")]
+    for i in colour_edits:  # same mask: the pixels that changed are exactly the shape's
+        changed = (source[i] != target[i]).any(0)
+        assert changed.sum() > 0 and torch.equal(changed, (source[i] != source[i][:, :1, :1]).any(0))
+    assert shape_edits and colour_edits
+
+
+def test_a_pixel_space_kontext_model_reads_its_source_as_pixels(tmp_path):
+    """The tiny editing model's layout: no VAE, the source's pixels (in [-1, 1]) are its reference tokens, and an
+    exported model loads back as a FluxKontextPipeline with the same velocity (fp16 weights)."""
+    from flowrl.models.flux_kontext import FluxKontextAdapter
+    from flowrl.models.tiny import load_exported_tiny_flux_kontext
+    from flowrl.shapes.pretrain_edit import EDIT_TINY, pretrain_tiny_edit
+
+    out = pretrain_tiny_edit(tmp_path / "w", steps=2, batch=2, eval_every=0, export_dir=tmp_path / "e",
+                             progress=False)
+    pipe = load_exported_tiny_flux_kontext(out)
+    assert type(pipe).__name__ == "FluxKontextPipeline" and pipe.vae is None
+    assert json.loads((out / "pretrain.json").read_text())["steps"] == 2
+    adapter = FluxKontextAdapter(pipe, max_sequence_length=EDIT_TINY.max_tokens, resolution=16)
+    request = EditPrompt("make the shape red", ["shapes:a green square on a blue background#7"])
+    cond = adapter.encode_prompts([request])
+    assert adapter.pixel_space and adapter.latent_shape(16) == (3, 16, 16)
+    assert torch.allclose(cond.reference[0, 0], source_tensor([request], 16)[0] * 2 - 1)
+    x = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    v = adapter.velocity(x, torch.tensor([0.5]), cond)
+    assert v.shape == x.shape and torch.isfinite(v).all()
+    other = adapter.encode_prompts([EditPrompt("make the shape red", ["shapes:a green square on a red background#7"])])
+    assert not torch.allclose(adapter.velocity(x, torch.tensor([0.5]), other), v)  # the source steers the velocity
+
+
 def test_grids_put_the_source_first():
     request = EditPrompt("make the shape red", ["shapes:a green circle on a blue background#3"])
     results = torch.rand(2, 3, 32, 32)

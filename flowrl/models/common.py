@@ -371,10 +371,12 @@ class PipelineAdapter:
 
     def _encode_source_images(self, images: list) -> torch.Tensor:
         """(K, C, h, w) latents of K RGB PIL images of ``resolution`` pixels: the pipeline's image processor, then the
-        VAE's mode, shifted and scaled as the family's editing pipeline does."""
-        cfg = self.vae.config
+        VAE's mode, shifted and scaled as the family's editing pipeline does (a pixel-space model: the pixels)."""
         pixels = torch.cat([self.pipe.image_processor.preprocess(img, self.resolution, self.resolution)
                             for img in images])  # (K, 3, H, W) in [-1, 1]
+        if self.pixel_space:  # a pixel-space model's latents are the pixels
+            return pixels
+        cfg = self.vae.config
         z = self.vae.encode(pixels.to(device=self.vae.device, dtype=self.vae.dtype)).latent_dist.mode()
         return (z - (cfg.shift_factor or 0.0)) * cfg.scaling_factor
 

@@ -108,17 +108,20 @@ def _rope_axes(head_dim: int) -> tuple[int, int, int]:
     return first, second, head_dim - first - second
 
 
-def build_tiny_flux_pipeline(tiny, seed: int = 0):
+def build_tiny_flux_pipeline(tiny, seed: int = 0, pixel_space: bool = False):
     """A tiny FLUX.1-dev-architecture pipeline from configs, offline and randomly initialised: a 2x VAE with 4
     latent channels (16 after 2x2 packing), CLIP + T5 encoders (the T5 uses the offline CLIP tokenizer; a real
-    checkpoint brings its own), the guidance embedding and FLUX's dynamic-shift scheduler."""
+    checkpoint brings its own), the guidance embedding and FLUX's dynamic-shift scheduler.
+
+    ``pixel_space``: no VAE (the transformer packs 2x2 pixel patches of 3 channels) and a fixed shift of
+    ``tiny.shift``, as the shapes domain's pretrained models use."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     from ..tokenizer import build_clip_tokenizer
 
     torch.manual_seed(seed)
-    latent_channels = 4
+    latent_channels = 3 if pixel_space else 4
     transformer = FluxTransformer2DModel(
         patch_size=1, in_channels=4 * latent_channels, num_layers=tiny.num_layers, num_single_layers=tiny.num_layers,
         attention_head_dim=tiny.attention_head_dim, num_attention_heads=tiny.num_attention_heads,
@@ -141,16 +144,47 @@ def build_tiny_flux_pipeline(tiny, seed: int = 0):
     )
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                                                 base_image_seq_len=256, max_image_seq_len=4096)
+    if pixel_space:
+        vae, scheduler = None, FlowMatchEulerDiscreteScheduler(shift=tiny.shift)
     return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=build_clip_tokenizer(tiny.max_tokens),
                         text_encoder_2=t5, tokenizer_2=build_clip_tokenizer(tiny.max_tokens), transformer=transformer)
 
 
-def build_tiny_flux_kontext_pipeline(tiny, seed: int = 0):
+def build_tiny_flux_kontext_pipeline(tiny, seed: int = 0, pixel_space: bool = False):
     """A tiny FLUX.1 Kontext pipeline: the tiny FLUX.1 components (:func:`build_tiny_flux_pipeline`, the same
     weights at the same seed) in ``FluxKontextPipeline``, which adds the source image's latents as tokens."""
     from diffusers import FluxKontextPipeline
 
-    return FluxKontextPipeline(**build_tiny_flux_pipeline(tiny, seed).components)
+    return FluxKontextPipeline(**build_tiny_flux_pipeline(tiny, seed, pixel_space).components)
+
+
+def load_exported_tiny_flux_kontext(path: str | Path):
+    """A pixel-space FLUX.1 Kontext-architecture model exported as a folder (transformer, scheduler, CLIP and T5 text
+    encoders, no VAE, ``pretrain.json`` with its tokenizer length) as a FluxKontextPipeline (fp32), tokenizers built
+    offline."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel, T5EncoderModel
+
+    from ..tokenizer import build_clip_tokenizer
+
+    path = Path(path)
+    if not (path / "transformer" / "config.json").is_file():
+        raise FlowRLError(f"{path}: no exported tiny model here (transformer/config.json is missing)")
+    kw = {"torch_dtype": torch.float32}
+    meta = json.loads((path / "pretrain.json").read_text()) if (path / "pretrain.json").is_file() else {}
+    config = meta.get("config", {})
+    max_tokens = config.get("max_tokens", 16)
+    pipe = FluxKontextPipeline(
+        transformer=FluxTransformer2DModel.from_pretrained(str(path / "transformer"), **kw),
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(str(path / "scheduler")), vae=None,
+        text_encoder=CLIPTextModel.from_pretrained(str(path / "text_encoder"), **kw),
+        tokenizer=build_clip_tokenizer(max_tokens),
+        text_encoder_2=T5EncoderModel.from_pretrained(str(path / "text_encoder_2"), **kw),
+        tokenizer_2=build_clip_tokenizer(max_tokens))
+    if "resolution" in config:
+        pipe.embedded_geometry = {"resolution": config["resolution"]}
+    pipe.embedded_max_tokens = max_tokens
+    return pipe
 
 
 QWEN_TEMPLATE_WORDS = ("Describe the image by detailing the color, shape, size, texture, quantity, text, spatial "

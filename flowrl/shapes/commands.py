@@ -30,6 +30,14 @@ def cmd_pretrain_tiny_video(args) -> int:
     return 0
 
 
+def cmd_pretrain_tiny_edit(args) -> int:
+    from .pretrain_edit import pretrain_tiny_edit
+
+    pretrain_tiny_edit(args.work_dir, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
+                       save_every=args.save_every, eval_every=args.eval_every, export_dir=args.export_dir)
+    return 0
+
+
 def cmd_pretrain_tiny_clip(args) -> int:
     from .tiny_clip import pretrain_tiny_clip
 
@@ -88,6 +96,14 @@ def add_commands(sub) -> None:
     pv.add_argument("--boundary", type=unit_interval, default=0.875, help="the two experts' boundary in sigma (Wan "
                     "2.2 text-to-video: 0.875)")
     pv.set_defaults(func=cmd_pretrain_tiny_video)
+    pe = sub.add_parser("pretrain-tiny-edit", help="pretrain the embedded tiny image-editing model (FLUX.1 Kontext "
+                        "architecture) on shapes edit pairs (CPU, resumable)")
+    pe.add_argument("--work-dir", default="runs/pretrain-tiny-edit", help="state, grids, progress; rerun to resume")
+    _optimisation_arguments(pe, steps=3000, batch=32, resumable=True)
+    pe.add_argument("--eval-every", type=int, default=500, help="held-out edit accuracy of the EMA weights (72 "
+                    "requests x 2 seeds) and a grid every N steps, kept in <work-dir>/progress.jsonl; 0 = none")
+    pe.add_argument("--export-dir", default=None, help="default: assets/tiny_shapes_edit")
+    pe.set_defaults(func=cmd_pretrain_tiny_edit)
     pc = sub.add_parser("pretrain-tiny-clip", help="train the tiny shapes CLIP (open_clip architecture) on the CPU")
     _optimisation_arguments(pc, steps=1500, batch=64, resumable=False)
     pc.add_argument("--export-dir", default=None, help="default: assets/tiny_clip")

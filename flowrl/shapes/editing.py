@@ -93,14 +93,37 @@ def source_and_target(prompt: str) -> tuple[ShapeSpec, str, ShapeSpec]:
 
 
 class ShapesEditReward:
-    """The shapes reward of the result against the edit's target caption: the asked attribute changed and the others
-    kept earn the same partial credit as generating the target (see ``shapes``)."""
+    """The shapes reward of the result against the edit's target caption (the source with the asked attribute
+    changed), in [0, 1].
 
-    def __init__(self, shape: str = "margin"):
+    ``part="all"``: the mean of the three attribute scores, so the asked attribute changed and the others kept earn
+    the same partial credit as generating the target (see ``shapes``). ``part="asked"``: the asked attribute's score
+    alone, an instruction-following reward that does not look at the rest of the image. ``part="kept"``: the mean of
+    the two other attributes' scores, which read as the source's: how much of the source the edit preserved."""
+
+    PARTS = ("all", "asked", "kept")
+
+    def __init__(self, shape: str = "margin", part: str = "all"):
+        if part not in self.PARTS:
+            raise RewardError(f"shapes_edit reward: part={part!r} must be one of {', '.join(self.PARTS)}")
         self.inner = ShapesReward(shape=shape)
+        self.part = part
 
     def __call__(self, images, prompts, metadata=None):
-        return self.inner(images, [source_and_target(p)[2].prompt for p in prompts], metadata)
+        from .reward import attribute_scores
+
+        targets = [source_and_target(p) for p in prompts]
+        if self.part == "all":
+            return self.inner(images, [t[2].prompt for t in targets], metadata)
+        s = attribute_scores(images, [t[2].prompt for t in targets])
+        shape = s["shape_score"] if self.inner.shape == "iou" else (1 + s["shape_margin"]) / 2
+        per_attribute = {"background": s["bg_score"], "color": s["color_score"], "shape": shape}  # each (N,)
+        rows = np.arange(len(prompts))
+        asked = np.array([per_attribute[attribute][i] for i, (_, attribute, _) in zip(rows, targets)])
+        if self.part == "asked":
+            return asked
+        total = sum(per_attribute.values())
+        return (total - asked) / 2
 
 
 class ShapesEditAccuracy:

@@ -17,3 +17,15 @@ def load_tiny_shapes_pipeline(path: str | Path | None = None):
     if not (path / "transformer" / "config.json").is_file():
         raise FlowRLError(f"the pretrained tiny model is missing at {path}; run `flowrl pretrain-tiny` to rebuild it")
     return load_exported_tiny_sd3(path)
+
+
+def load_tiny_shapes_edit_pipeline(path: str | Path | None = None):
+    """The shipped tiny image-editing model (``model.pretrained: tiny-shapes-edit``; or a folder written by
+    ``flowrl pretrain-tiny-edit --export-dir``) as a pixel-space FluxKontextPipeline (fp32)."""
+    from ..models.tiny import load_exported_tiny_flux_kontext
+
+    path = Path(path) if path else assets_dir() / "tiny_shapes_edit"
+    if not (path / "transformer" / "config.json").is_file():
+        raise FlowRLError(f"the pretrained tiny editing model is missing at {path}; run `flowrl pretrain-tiny-edit` "
+                          "to rebuild it")
+    return load_exported_tiny_flux_kontext(path)
