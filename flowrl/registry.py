@@ -103,6 +103,7 @@ MODEL_FAMILIES = Registry("model.family", {
     "sd3": "flowrl.models.sd3:SD3Adapter", "flux": "flowrl.models.flux:FluxAdapter", "flux-kontext": "flowrl.models.flux_kontext:FluxKontextAdapter",
     "flux2": "flowrl.models.flux2:Flux2Adapter", "qwenimage": "flowrl.models.qwenimage:QwenImageAdapter",
     "qwenimage-edit": "flowrl.models.qwenimage_edit:QwenImageEditAdapter",
+    "qwenimage-edit-plus": "flowrl.models.qwenimage_edit:QwenImageEditPlusAdapter",
     "wan": "flowrl.models.wan:WanAdapter", "hunyuanvideo15": "flowrl.models.hunyuanvideo15:HunyuanVideo15Adapter", "zimage": "flowrl.models.zimage:ZImageAdapter",
 }, group="flowrl_model_families")
 # built-in prompt sets: a function returning the list of prompts

@@ -29,7 +29,10 @@ FAMILIES = {
                      "data.prompt_set=shapes-edit-train"],
     "qwenimage-edit": ["model.family=qwenimage-edit", "model.resolution=32", "model.tiny.resolution=32",
                        "data.prompt_set=shapes-edit-train"],
+    "qwenimage-edit-plus": ["model.family=qwenimage-edit-plus", "model.resolution=32", "model.tiny.resolution=32",
+                            "data.prompt_set=shapes-edit-train"],
 }
+EDITING = ("flux-kontext", "qwenimage-edit", "qwenimage-edit-plus")
 EDIT_PROMPTS = [EditPrompt("make the shape red", ["shapes:a green circle on a blue background#3"]),
                 EditPrompt("make the background white", ["shapes:a red square on a black background#5"])]
 
@@ -37,7 +40,7 @@ EDIT_PROMPTS = [EditPrompt("make the shape red", ["shapes:a green circle on a bl
 def prompts_of(family_or_adapter) -> list[str]:
     """Two prompts the family takes: edit requests for an editing family, captions otherwise."""
     family = getattr(family_or_adapter, "family", family_or_adapter)
-    return EDIT_PROMPTS if family in ("flux-kontext", "qwenimage-edit") else PROMPTS
+    return EDIT_PROMPTS if family in EDITING else PROMPTS
 REWARD = {f: "rewards=[{name: 'tests.helpers:brightness'}]" for f in FAMILIES}
 REWARD["wan"] = "rewards=[{name: video_frames, args: {reward: 'tests.helpers:brightness'}}]"  # videos (N, F, 3, H, W)
 REWARD["hunyuanvideo15"] = REWARD["wan"]
@@ -244,6 +247,39 @@ def test_qwenimage_edit_rollout_equals_qwenimage_edit_pipeline(monkeypatch):
     other = EditPrompt(str(request), EDIT_PROMPTS[1].sources)
     a, b = adapter.encode_prompts([request]), adapter.encode_prompts([other])
     assert not torch.equal(a.embeds, b.embeds) and not torch.equal(a.reference, b.reference)
+
+
+def test_qwenimage_edit_plus_rollout_equals_its_pipeline_with_two_sources(monkeypatch):
+    """Noise off, the same instruction over two source images: QwenImageEditPlusPipeline's images, without CFG and
+    with its true CFG (the negative prompt read with the sources too). The pipeline's source sizes (384 x 384 for the
+    text encoder, one megapixel for the VAE) are patched to the tiny model's own, which the adapter reads them at.
+    Swapping the two sources changes the result: each keeps its place in the sequence."""
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus_module
+
+    from flowrl.editing import load_source
+
+    monkeypatch.setattr(plus_module, "calculate_dimensions", lambda area, ratio: (32, 32))
+    cfg = family_cfg("qwenimage-edit-plus", "sampler.guidance_scale=4.0", "sampler.negative_prompt=blurry")
+    adapter = load_adapter(cfg.model)
+    shape = adapter.latent_shape(32)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(3))[None]
+    sig = sigmas_for(cfg, adapter, 4)
+    sources = [EDIT_PROMPTS[0].sources[0], EDIT_PROMPTS[1].sources[0]]
+    request = EditPrompt("put the shape of picture 2 on picture 1", sources)
+    common = dict(image=[load_source(k, 32) for k in sources], prompt=str(request), height=32, width=32,
+                  num_inference_steps=4, latents=pack(noise), output_type="pt")
+    ours = sample_images(adapter, [request], [3], sig, shape)
+    ref = adapter.pipe(true_cfg_scale=1.0, **common).images
+    assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+    with torch.no_grad():
+        ours_cfg = Sampler(cfg, adapter, num_steps=4)([request], [3])
+    ref_cfg = adapter.pipe(true_cfg_scale=4.0, negative_prompt="blurry", **common).images
+    assert torch.allclose(ours_cfg, ref_cfg, atol=1e-5), (ours_cfg - ref_cfg).abs().max()
+    assert adapter.encode_prompts([request]).reference.shape[:2] == (1, 2)
+    swapped = sample_images(adapter, [EditPrompt(str(request), sources[::-1])], [3], sig, shape)
+    assert (swapped - ours).abs().max() > 1e-4
+    with pytest.raises(Exception, match="at most 3"):
+        adapter.encode_prompts([EditPrompt(str(request), sources * 2)])
 
 
 def test_hunyuanvideo15_rollout_equals_its_pipeline():

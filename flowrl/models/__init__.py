@@ -9,14 +9,15 @@ from .flux2 import Flux2Adapter
 from .flux_kontext import FluxKontextAdapter
 from .hunyuanvideo15 import HunyuanVideo15Adapter
 from .qwenimage import QwenImageAdapter
-from .qwenimage_edit import QwenImageEditAdapter
+from .qwenimage_edit import QwenImageEditAdapter, QwenImageEditPlusAdapter
 from .sd3 import SD3_LORA_TARGETS, SD3_PRESETS, SD3Adapter
 from .wan import WanAdapter
 from .zimage import ZImageAdapter
 
 ADAPTERS = {"sd3": SD3Adapter, "flux": FluxAdapter, "flux2": Flux2Adapter, "qwenimage": QwenImageAdapter, "wan": WanAdapter,
             "zimage": ZImageAdapter, "flux-kontext": FluxKontextAdapter,
-            "hunyuanvideo15": HunyuanVideo15Adapter, "qwenimage-edit": QwenImageEditAdapter}
+            "hunyuanvideo15": HunyuanVideo15Adapter, "qwenimage-edit": QwenImageEditAdapter,
+            "qwenimage-edit-plus": QwenImageEditPlusAdapter}
 
 
 def load_adapter(model_cfg, device="cpu", sharded_reader: bool | None = None) -> ModelAdapter:

@@ -101,17 +101,41 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     def _forward(self, x, sigma, cond: PromptEmbeds) -> torch.Tensor:
         b, _, h, w = x.shape
-        ref = cond.reference  # (B, 1, C, h_r, w_r) the source's latents
+        ref = cond.reference  # (B, K, C, h_r, w_r) the K sources' latents
         if ref is None:
-            raise ValueError("Qwen-Image-Edit needs each prompt's source image (an edit request); none was encoded")
+            raise ValueError(f"{self.family} needs each prompt's source image (an edit request); none was encoded")
         hr, wr = ref.shape[-2:]
         mask = cond.mask if cond.mask is not None else torch.ones(cond.embeds.shape[:2], dtype=torch.long,
                                                                   device=x.device)
-        tokens = torch.cat([pack(x), pack(ref[:, 0])], dim=1)  # (B, hw/4 + h_r w_r/4, 4C): image, then source
+        # (B, hw/4 + K h_r w_r/4, 4C): the image's tokens, then each source's, in the request's order
+        tokens = torch.cat([pack(x), *[pack(ref[:, k]) for k in range(ref.shape[1])]], dim=1)
         t = (sigma * 1000.0).to(self.dtype)
         out = self.transformer(
             hidden_states=tokens.to(self.dtype), timestep=t / 1000, encoder_hidden_states=cond.embeds.to(self.dtype),
-            encoder_hidden_states_mask=mask, img_shapes=[[(1, h // 2, w // 2), (1, hr // 2, wr // 2)]] * b,
-            return_dict=False,
+            encoder_hidden_states_mask=mask,
+            img_shapes=[[(1, h // 2, w // 2), *[(1, hr // 2, wr // 2)] * ref.shape[1]]] * b, return_dict=False,
         )[0]
         return unpack(out[:, : (h // 2) * (w // 2)].float(), h, w)
+
+
+class QwenImageEditPlusAdapter(QwenImageEditAdapter):
+    """Qwen-Image-Edit-2509 / 2511 (diffusers ``QwenImageEditPlusPipeline``): one to three source images per request.
+
+    As Qwen-Image-Edit, with the pipeline's differences: the instruction follows one "Picture i:" vision block per
+    source; Qwen2.5-VL reads each source at about 384 x 384 pixels (``condition_side``) and the VAE at about one
+    megapixel (``source_side``, 1024 x 1024 for a square source); every source's packed latents follow the image's
+    tokens, in the request's order, each with its own position grid."""
+
+    family = "qwenimage-edit-plus"
+    pipeline_class_name = "QwenImageEditPlusPipeline"
+    published_architectures = {"Qwen/Qwen-Image-Edit-2509": (QWEN_IMAGE, 1)}
+    presets = {"qwen-image-edit-2509": "Qwen/Qwen-Image-Edit-2509", "qwen-image-edit-2511": "Qwen/Qwen-Image-Edit-2511"}
+    tiny_builder = "build_tiny_qwenimage_edit_plus_pipeline"
+    max_sources = 3  # the pipeline's card: one to three input images work best
+    condition_side = 384  # pixels per side of a (square) source as the text encoder reads it
+
+    def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        images = [load_source(key, self.condition_side) for key in sources_of(prompt)] or None
+        embeds, _ = self.pipe.encode_prompt(prompt=[str(prompt)], image=images, device=self.text_device,
+                                            max_sequence_length=self.max_sequence_length)
+        return embeds[0], embeds.new_zeros(0)

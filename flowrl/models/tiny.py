@@ -271,6 +271,21 @@ def build_tiny_qwenimage_edit_pipeline(tiny, seed: int = 0):
     return pipe, {"source_side": tiny.resolution}
 
 
+def build_tiny_qwenimage_edit_plus_pipeline(tiny, seed: int = 0):
+    """A tiny Qwen-Image-Edit-Plus pipeline: the tiny Qwen-Image-Edit components
+    (:func:`build_tiny_qwenimage_edit_pipeline`, the same weights at the same seed) in ``QwenImageEditPlusPipeline``,
+    whose template puts a "Picture i:" vision block per source before the instruction; the count of its leading
+    tokens dropped from the embedding is this tokenizer's. Returns (pipeline, {"source_side": ..., "condition_side":
+    ...}): the tiny model reads its sources at its own resolution for both encoders."""
+    from diffusers import QwenImageEditPlusPipeline
+
+    base, _ = build_tiny_qwenimage_edit_pipeline(tiny, seed)
+    pipe = QwenImageEditPlusPipeline(**base.components)
+    prefix = pipe.prompt_template_encode.split("{}")[0]  # the system turn and "user" before the pictures
+    pipe.prompt_template_encode_start_idx = len(base.tokenizer(prefix).input_ids)
+    return pipe, {"source_side": tiny.resolution, "condition_side": tiny.resolution}
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
