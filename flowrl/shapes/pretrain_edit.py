@@ -186,6 +186,11 @@ def pretrain_tiny_edit(work_dir: str | Path = "runs/pretrain-tiny-edit", steps: 
     bar.close()
     steps = max(steps, step)
     wall = time.perf_counter() - t_start
+    log = work_dir / "progress.jsonl"
+    if readout is None and log.is_file():  # exported from a saved state: its last readout, when it is this step's
+        last = json.loads(log.read_text().splitlines()[-1])
+        if last["step"] == step:
+            readout, loss_ema = {k: last[k] for k in ("edit", "asked", "kept", "per_attribute")}, last["loss"]
     ema.copy_to(params)
     meta = {"command": command, "commands": commands, "steps": steps, "batch": batch, "lr": lr, "seed": seed,
             "ema_decay": ema_decay, "wall_time_s": round(wall, 1), "final_loss_ema": loss_ema,
