@@ -219,10 +219,11 @@ def test_a_pixel_space_kontext_model_reads_its_source_as_pixels(tmp_path):
     from flowrl.shapes.pretrain_edit import EDIT_TINY, pretrain_tiny_edit
 
     out = pretrain_tiny_edit(tmp_path / "w", steps=2, batch=2, eval_every=0, export_dir=tmp_path / "e",
-                             progress=False)
+                             progress=False, instruction_dropout=0.5)
     pipe = load_exported_tiny_flux_kontext(out)
     assert type(pipe).__name__ == "FluxKontextPipeline" and pipe.vae is None
-    assert json.loads((out / "pretrain.json").read_text())["steps"] == 2
+    meta = json.loads((out / "pretrain.json").read_text())
+    assert meta["steps"] == 2 and meta["instruction_dropout"] == 0.5
     adapter = FluxKontextAdapter(pipe, max_sequence_length=EDIT_TINY.max_tokens, resolution=16)
     request = EditPrompt("make the shape red", ["shapes:a green square on a blue background#7"])
     cond = adapter.encode_prompts([request])

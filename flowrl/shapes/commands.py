@@ -34,7 +34,8 @@ def cmd_pretrain_tiny_edit(args) -> int:
     from .pretrain_edit import pretrain_tiny_edit
 
     pretrain_tiny_edit(args.work_dir, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                       save_every=args.save_every, eval_every=args.eval_every, export_dir=args.export_dir)
+                       save_every=args.save_every, eval_every=args.eval_every, export_dir=args.export_dir,
+                       instruction_dropout=args.instruction_dropout)
     return 0
 
 
@@ -103,6 +104,9 @@ def add_commands(sub) -> None:
     pe.add_argument("--eval-every", type=int, default=500, help="held-out edit accuracy of the EMA weights (72 "
                     "requests x 2 seeds) and a grid every N steps, kept in <work-dir>/progress.jsonl; 0 = none")
     pe.add_argument("--export-dir", default=None, help="default: assets/tiny_shapes_edit")
+    pe.add_argument("--instruction-dropout", type=unit_interval, default=0.0,
+                    help="share of instructions replaced by the empty one, so that the model can be sampled with "
+                         "classifier-free guidance (the shipped model: 0)")
     pe.set_defaults(func=cmd_pretrain_tiny_edit)
     pc = sub.add_parser("pretrain-tiny-clip", help="train the tiny shapes CLIP (open_clip architecture) on the CPU")
     _optimisation_arguments(pc, steps=1500, batch=64, resumable=False)

@@ -124,8 +124,11 @@ def _grid(adapter, path: Path, title: str) -> None:
 
 def pretrain_tiny_edit(work_dir: str | Path = "runs/pretrain-tiny-edit", steps: int = 3000, batch: int = 32,
                        lr: float = 1e-3, seed: int = 0, ema_decay: float = 0.995, save_every: int = 250,
-                       eval_every: int = 500, export_dir: str | Path | None = None, progress: bool = True) -> Path:
-    """Pretrain the tiny editing model and export it (see the module's text)."""
+                       eval_every: int = 500, export_dir: str | Path | None = None, progress: bool = True,
+                       instruction_dropout: float = 0.0) -> Path:
+    """Pretrain the tiny editing model and export it (see the module's text). ``instruction_dropout`` > 0 replaces
+    that share of the instructions with the empty one (the source stays), so the model also learns the
+    unconditional edit that classifier-free guidance needs."""
     from diffusers.training_utils import EMAModel
 
     from ..models.tiny import build_tiny_flux_kontext_pipeline
@@ -157,6 +160,8 @@ def pretrain_tiny_edit(work_dir: str | Path = "runs/pretrain-tiny-edit", steps: 
     t_start = time.perf_counter() - elapsed
     while step < steps:
         source, target, texts = edit_batch(train_specs, batch, rng, EDIT_TINY.resolution)
+        if instruction_dropout > 0:
+            texts = ["" if rng.random() < instruction_dropout else t for t in texts]
         embeds, pooled, _ = pipe.encode_prompt(prompt=texts, prompt_2=texts, device="cpu",
                                                max_sequence_length=EDIT_TINY.max_tokens)
         sigma = torch.sigmoid(torch.randn(batch, generator=gen))  # SD3 logit-normal(0, 1)
@@ -193,7 +198,7 @@ def pretrain_tiny_edit(work_dir: str | Path = "runs/pretrain-tiny-edit", steps: 
             readout, loss_ema = {k: last[k] for k in ("edit", "asked", "kept", "per_attribute")}, last["loss"]
     ema.copy_to(params)
     meta = {"command": command, "commands": commands, "steps": steps, "batch": batch, "lr": lr, "seed": seed,
-            "ema_decay": ema_decay, "wall_time_s": round(wall, 1), "final_loss_ema": loss_ema,
+            "ema_decay": ema_decay, "instruction_dropout": instruction_dropout, "wall_time_s": round(wall, 1), "final_loss_ema": loss_ema,
             "transformer_params": n_params, "text_encoder_params": n_text, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "config": EDIT_TINY.__dict__, "heldout_readout": readout}
     out = Path(export_dir) if export_dir else assets_dir() / "tiny_shapes_edit"
