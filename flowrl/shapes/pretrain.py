@@ -100,6 +100,21 @@ def export_model(pipe, out_dir: Path, meta: dict, components: tuple[str, ...] = 
     return out_dir
 
 
+def invoked_command(subcommand: str, function: str) -> str:
+    """The command line that is running this pretraining (``flowrl <subcommand> ...``), or the Python call's name:
+    what the exported ``pretrain.json`` records."""
+    if sys.argv[1:2] == [subcommand]:
+        return (f"flowrl {subcommand} " + " ".join(sys.argv[2:])).strip()
+    return f"{function}()"
+
+
+def log_progress(work_dir: Path, record: dict, bar) -> None:
+    """One held-out readout: a line of ``<work_dir>/progress.jsonl`` and of the progress bar's output."""
+    with open(work_dir / "progress.jsonl", "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+    bar.write(json.dumps(record))
+
+
 def noised(x0: torch.Tensor, sigma: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_sigma = (1 - sigma) x0 + sigma eps, the rectified-flow target eps - x0) for x0 (B, ...) and sigma (B,)."""
     eps = torch.randn(x0.shape, generator=gen)
@@ -217,7 +232,7 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
         step, elapsed, commands = _load_state(state_dir, pipe, optimizer, ema)
         print(f"resuming pretraining at step {step} ({elapsed / 60:.1f} min so far)", file=sys.stderr)
     work_dir.mkdir(parents=True, exist_ok=True)
-    command = ("flowrl pretrain-tiny " + " ".join(sys.argv[2:])).strip() if sys.argv[1:2] == ["pretrain-tiny"] else "pretrain_tiny()"
+    command = invoked_command("pretrain-tiny", "pretrain_tiny")
     commands = commands + [f"{command}  # from step {step}"]
     rng = random.Random(seed * 100003 + step)
     gen = torch.Generator().manual_seed(seed * 100003 + step)
@@ -256,9 +271,7 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
             if eval_now:
                 record = {"step": step, "minutes": round((time.perf_counter() - t_start) / 60, 1), "loss": loss_ema,
                           **{k: readout[k] for k in ("background", "color", "shape", "all", "per_shape")}}
-                with open(work_dir / "progress.jsonl", "a") as fh:
-                    fh.write(json.dumps(record) + "\n")
-                bar.write(json.dumps(record))
+                log_progress(work_dir, record, bar)
     bar.close()
     steps = max(steps, step)  # --steps below the saved step exports the current state as it is
     wall = time.perf_counter() - t_start

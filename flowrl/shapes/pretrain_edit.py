@@ -29,7 +29,16 @@ from ..config import TinyModelConfig
 from ..resources import assets_dir
 from .domain import COLORS, SHAPES, ShapeSpec, render, split_specs
 from .editing import ATTRIBUTES, instruction
-from .pretrain import _load_state, _save_state, export_model, lr_factor, noised, optimizer_step
+from .pretrain import (
+    _load_state,
+    _save_state,
+    export_model,
+    invoked_command,
+    log_progress,
+    lr_factor,
+    noised,
+    optimizer_step,
+)
 
 EDIT_TINY = TinyModelConfig(resolution=16, vae=False, num_layers=2, num_attention_heads=2, attention_head_dim=64,
                             text_hidden=32, text_layers=2, max_tokens=16, shift=1.0, init_seed=0)
@@ -148,8 +157,7 @@ def pretrain_tiny_edit(work_dir: str | Path = "runs/pretrain-tiny-edit", steps: 
         step, elapsed, commands = _load_state(state_dir, pipe, optimizer, ema, COMPONENTS)
         print(f"resuming pretraining at step {step} ({elapsed / 60:.1f} min so far)", file=sys.stderr)
     work_dir.mkdir(parents=True, exist_ok=True)
-    argv = sys.argv[2:] if sys.argv[1:2] == ["pretrain-tiny-edit"] else None
-    command = ("flowrl pretrain-tiny-edit " + " ".join(argv)).strip() if argv is not None else "pretrain_tiny_edit()"
+    command = invoked_command("pretrain-tiny-edit", "pretrain_tiny_edit")
     commands = commands + [f"{command}  # from step {step}"]
     rng = random.Random(seed * 100003 + step)
     gen = torch.Generator().manual_seed(seed * 100003 + step)
@@ -185,9 +193,7 @@ def pretrain_tiny_edit(work_dir: str | Path = "runs/pretrain-tiny-edit", steps: 
                       f"pretraining step {step}: source | two edits (EMA, 10 ODE steps)")
             record = {"step": step, "minutes": round((time.perf_counter() - t_start) / 60, 1), "loss": loss_ema,
                       **{k: readout[k] for k in ("edit", "asked", "kept", "per_attribute")}}
-            with open(work_dir / "progress.jsonl", "a") as fh:
-                fh.write(json.dumps(record) + "\n")
-            bar.write(json.dumps(record))
+            log_progress(work_dir, record, bar)
     bar.close()
     steps = max(steps, step)
     wall = time.perf_counter() - t_start

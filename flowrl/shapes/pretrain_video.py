@@ -23,7 +23,16 @@ from tqdm.auto import tqdm
 from ..errors import FlowRLError
 from ..resources import assets_dir
 from .moving import FRAMES, RESOLUTION, heldout_prompts, render_video, split_specs
-from .pretrain import _load_state, _save_state, export_model, lr_factor, noised, optimizer_step
+from .pretrain import (
+    _load_state,
+    _save_state,
+    export_model,
+    invoked_command,
+    log_progress,
+    lr_factor,
+    noised,
+    optimizer_step,
+)
 
 COMPONENTS = ("transformer", "text_encoder")
 MAX_TOKENS = 16
@@ -169,8 +178,7 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
         step, elapsed, commands = _load_state(state_dir, pipe, optimizer, ema, components)
         print(f"resuming video pretraining at step {step} ({elapsed / 60:.1f} min so far)", file=sys.stderr)
     work_dir.mkdir(parents=True, exist_ok=True)
-    command = ("flowrl pretrain-tiny-video " + " ".join(sys.argv[2:])).strip() \
-        if sys.argv[1:2] == ["pretrain-tiny-video"] else "pretrain_tiny_video()"
+    command = invoked_command("pretrain-tiny-video", "pretrain_tiny_video")
     commands = commands + [f"{command}  # from step {step}"]
     rng = random.Random(seed * 100003 + step)
     gen = torch.Generator().manual_seed(seed * 100003 + step)
@@ -206,9 +214,7 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
                 getattr(pipe, name).train().requires_grad_(True)
             record = {"step": step, "minutes": round((time.perf_counter() - t_start) / 60, 1), "loss": loss_ema,
                       **{k: readout[k] for k in ("background", "color", "shape", "motion", "all")}}
-            with open(work_dir / "progress.jsonl", "a") as fh:
-                fh.write(json.dumps(record) + "\n")
-            bar.write(json.dumps(record))
+            log_progress(work_dir, record, bar)
     bar.close()
     steps = max(steps, step)
     wall = time.perf_counter() - t_start
