@@ -96,8 +96,7 @@ def resolve_pretrained_dir(reward: str, name_or_path: str, needed: str = "config
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """A state dict from .safetensors or a torch pickle (weights_only), unwrapped from ``{'state_dict': ...}`` or
-    ``{'model': ...}``
-    and stripped of a DataParallel ``module.`` prefix."""
+    ``{'model': ...}`` and stripped of a DataParallel ``module.`` prefix."""
     path = Path(path)
     if not path.is_file():
         raise RewardError(f"{path}: file not found")
