@@ -108,6 +108,26 @@ def invoked_command(subcommand: str, function: str) -> str:
     return f"{function}()"
 
 
+def start_or_resume(work_dir: Path, pipe, optimizer, ema, components: tuple[str, ...], subcommand: str,
+                    function: str, seed: int):
+    """The run's state: resumed from ``<work_dir>/state`` when a save is there, else a fresh start; this invocation's
+    command appended to the run's command list; the data RNG and the noise generator seeded from (seed, step), so
+    a resumed run draws the same way wherever it resumed.
+
+    Returns:
+        ``(step, elapsed seconds, commands, rng, generator)``.
+    """
+    step, elapsed, commands = 0, 0.0, []
+    state_dir = work_dir / "state"
+    if (state_dir / "progress.json").is_file():
+        step, elapsed, commands = _load_state(state_dir, pipe, optimizer, ema, components)
+        print(f"resuming {subcommand} at step {step} ({elapsed / 60:.1f} min so far)", file=sys.stderr)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    commands = commands + [f"{invoked_command(subcommand, function)}  # from step {step}"]
+    return (step, elapsed, commands, random.Random(seed * 100003 + step),
+            torch.Generator().manual_seed(seed * 100003 + step))
+
+
 def log_progress(work_dir: Path, record: dict, bar) -> None:
     """One held-out readout: a line of ``<work_dir>/progress.jsonl`` and of the progress bar's output."""
     with open(work_dir / "progress.jsonl", "a") as fh:
@@ -226,16 +246,9 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
     ema = EMAModel(params, decay=ema_decay)
     train_specs, held_specs = split_specs()
-    step, elapsed, commands = 0, 0.0, []
-    state_dir = work_dir / "state"
-    if (state_dir / "progress.json").is_file():
-        step, elapsed, commands = _load_state(state_dir, pipe, optimizer, ema)
-        print(f"resuming pretraining at step {step} ({elapsed / 60:.1f} min so far)", file=sys.stderr)
-    work_dir.mkdir(parents=True, exist_ok=True)
+    step, elapsed, commands, rng, gen = start_or_resume(work_dir, pipe, optimizer, ema, COMPONENTS, "pretrain-tiny",
+                                                        "pretrain_tiny", seed)
     command = invoked_command("pretrain-tiny", "pretrain_tiny")
-    commands = commands + [f"{command}  # from step {step}"]
-    rng = random.Random(seed * 100003 + step)
-    gen = torch.Generator().manual_seed(seed * 100003 + step)
     n_params = sum(p.numel() for p in pipe.transformer.parameters())
     n_text = sum(p.numel() for n in COMPONENTS[1:] for p in getattr(pipe, n).parameters())
     bar = tqdm(total=steps, initial=step, desc="pretrain", disable=not progress)
@@ -256,7 +269,7 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
         bar.update(1)
         bar.set_postfix(loss=f"{loss_ema:.4f}")
         if step % save_every == 0 or step == steps:
-            _save_state(state_dir, pipe, optimizer, ema, step, time.perf_counter() - t_start, commands)
+            _save_state(work_dir / "state", pipe, optimizer, ema, step, time.perf_counter() - t_start, commands)
         grid_now = step % grid_every == 0 or step == steps
         eval_now = eval_every > 0 and (step % eval_every == 0 or step == steps)
         if grid_now or eval_now:

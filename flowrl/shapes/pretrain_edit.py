@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,7 +29,6 @@ from ..resources import assets_dir
 from .domain import COLORS, SHAPES, ShapeSpec, render, split_specs
 from .editing import ATTRIBUTES, instruction
 from .pretrain import (
-    _load_state,
     _save_state,
     export_model,
     invoked_command,
@@ -38,6 +36,7 @@ from .pretrain import (
     lr_factor,
     noised,
     optimizer_step,
+    start_or_resume,
 )
 
 EDIT_TINY = TinyModelConfig(resolution=16, vae=False, num_layers=2, num_attention_heads=2, attention_head_dim=64,
@@ -151,16 +150,9 @@ def pretrain_tiny_edit(work_dir: str | Path = "runs/pretrain-tiny-edit", steps: 
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
     ema = EMAModel(params, decay=ema_decay)
     train_specs = split_specs()[0]
-    step, elapsed, commands = 0, 0.0, []
-    state_dir = work_dir / "state"
-    if (state_dir / "progress.json").is_file():
-        step, elapsed, commands = _load_state(state_dir, pipe, optimizer, ema, COMPONENTS)
-        print(f"resuming pretraining at step {step} ({elapsed / 60:.1f} min so far)", file=sys.stderr)
-    work_dir.mkdir(parents=True, exist_ok=True)
+    step, elapsed, commands, rng, gen = start_or_resume(work_dir, pipe, optimizer, ema, COMPONENTS,
+                                                        "pretrain-tiny-edit", "pretrain_tiny_edit", seed)
     command = invoked_command("pretrain-tiny-edit", "pretrain_tiny_edit")
-    commands = commands + [f"{command}  # from step {step}"]
-    rng = random.Random(seed * 100003 + step)
-    gen = torch.Generator().manual_seed(seed * 100003 + step)
     n_params = sum(p.numel() for p in pipe.transformer.parameters())
     n_text = sum(p.numel() for n in COMPONENTS[1:] for p in getattr(pipe, n).parameters())
     bar = tqdm(total=steps, initial=step, desc="pretrain-edit", disable=not progress)
@@ -185,7 +177,7 @@ def pretrain_tiny_edit(work_dir: str | Path = "runs/pretrain-tiny-edit", steps: 
         bar.update(1)
         bar.set_postfix(loss=f"{loss_ema:.4f}")
         if step % save_every == 0 or step == steps:
-            _save_state(state_dir, pipe, optimizer, ema, step, time.perf_counter() - t_start, commands, COMPONENTS)
+            _save_state(work_dir / "state", pipe, optimizer, ema, step, time.perf_counter() - t_start, commands, COMPONENTS)
         if eval_every > 0 and (step % eval_every == 0 or step == steps):
             with sampling_ema_weights(pipe, params, ema) as sampling:
                 readout = heldout_edit_readout(sampling)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +23,6 @@ from ..errors import FlowRLError
 from ..resources import assets_dir
 from .moving import FRAMES, RESOLUTION, heldout_prompts, render_video, split_specs
 from .pretrain import (
-    _load_state,
     _save_state,
     export_model,
     invoked_command,
@@ -32,6 +30,7 @@ from .pretrain import (
     lr_factor,
     noised,
     optimizer_step,
+    start_or_resume,
 )
 
 COMPONENTS = ("transformer", "text_encoder")
@@ -172,16 +171,9 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
     ema = EMAModel(params, decay=ema_decay)
     train_specs, _ = split_specs()
-    step, elapsed, commands = 0, 0.0, []
-    state_dir = work_dir / "state"
-    if (state_dir / "progress.json").is_file():
-        step, elapsed, commands = _load_state(state_dir, pipe, optimizer, ema, components)
-        print(f"resuming video pretraining at step {step} ({elapsed / 60:.1f} min so far)", file=sys.stderr)
-    work_dir.mkdir(parents=True, exist_ok=True)
+    step, elapsed, commands, rng, gen = start_or_resume(work_dir, pipe, optimizer, ema, components,
+                                                        "pretrain-tiny-video", "pretrain_tiny_video", seed)
     command = invoked_command("pretrain-tiny-video", "pretrain_tiny_video")
-    commands = commands + [f"{command}  # from step {step}"]
-    rng = random.Random(seed * 100003 + step)
-    gen = torch.Generator().manual_seed(seed * 100003 + step)
     bar = tqdm(total=steps, initial=step, desc="pretrain video", disable=not progress)
     loss_ema = None
     t_start = time.perf_counter() - elapsed
@@ -203,7 +195,7 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
         bar.update(1)
         bar.set_postfix(loss=f"{loss_ema:.4f}")
         if step % save_every == 0 or step == steps:
-            _save_state(state_dir, pipe, optimizer, ema, step, time.perf_counter() - t_start, commands, components)
+            _save_state(work_dir / "state", pipe, optimizer, ema, step, time.perf_counter() - t_start, commands, components)
         if step % eval_every == 0 or step == steps:
             ema.store(params)
             ema.copy_to(params)
