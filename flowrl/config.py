@@ -118,10 +118,10 @@ class TinyModelConfig(Section):
 
 class ModelConfig(Section):
     family: str = opt(DEFAULT_FAMILY, "model family: sd3 (SD3 / SD3.5), flux (FLUX.1 dev / schnell), flux2 (FLUX.2 dev / "
-                      "klein), qwenimage (Qwen-Image), zimage (Z-Image / Z-Image-Turbo), flux-kontext (FLUX.1 Kontext), qwenimage-edit (Qwen-Image-Edit) and qwenimage-edit-plus (Qwen-Image-Edit-2509 / 2511, up to three sources) image editing (data rows need a source image), wan (Wan 2.1 / 2.2 text-to-video), hunyuanvideo15 (HunyuanVideo 1.5 text-to-video), a "
+                      "klein), qwenimage (Qwen-Image), zimage (Z-Image / Z-Image-Turbo), flux-kontext (FLUX.1 Kontext), qwenimage-edit (Qwen-Image-Edit) and qwenimage-edit-plus (Qwen-Image-Edit-2509 / 2511, up to three sources) image editing (data rows need a source image), wan (Wan 2.1 / 2.2 text-to-video), hunyuanvideo15 (HunyuanVideo 1.5 text-to-video), ltx2 (LTX-2 text-to-video; its audio stream is denoised alongside, not trained or decoded), a "
                       "family registered with "
                       "flowrl.registry.register_model_family, or module:Class of a plug-in adapter")
-    num_frames: int = opt(17, "video frames (wan, hunyuanvideo15): 4k + 1 for Wan's 4x temporal compression", lo=1)
+    num_frames: int = opt(17, "video frames (wan, hunyuanvideo15, ltx2): 4k + 1 for the 4x temporal compression of Wan and HunyuanVideo 1.5, 8k + 1 for LTX-2's 8x", lo=1)
     pretrained: Optional[str] = opt("tiny", "'tiny' (random init), 'tiny-shapes' / 'tiny-moving-shapes' / "
                                     "'tiny-shapes-edit' (the shipped pretrained image / video / editing models), a "
                                     "preset (sd3.5-medium, sd3.5-large), a hub id or a local diffusers folder")

@@ -104,7 +104,7 @@ MODEL_FAMILIES = Registry("model.family", {
     "flux2": "flowrl.models.flux2:Flux2Adapter", "qwenimage": "flowrl.models.qwenimage:QwenImageAdapter",
     "qwenimage-edit": "flowrl.models.qwenimage_edit:QwenImageEditAdapter",
     "qwenimage-edit-plus": "flowrl.models.qwenimage_edit:QwenImageEditPlusAdapter",
-    "wan": "flowrl.models.wan:WanAdapter", "hunyuanvideo15": "flowrl.models.hunyuanvideo15:HunyuanVideo15Adapter", "zimage": "flowrl.models.zimage:ZImageAdapter",
+    "wan": "flowrl.models.wan:WanAdapter", "hunyuanvideo15": "flowrl.models.hunyuanvideo15:HunyuanVideo15Adapter", "ltx2": "flowrl.models.ltx2:LTX2Adapter", "zimage": "flowrl.models.zimage:ZImageAdapter",
 }, group="flowrl_model_families")
 # built-in prompt sets: a function returning the list of prompts
 PROMPT_SETS = Registry("data.prompt_set", {

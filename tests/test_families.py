@@ -24,6 +24,7 @@ FAMILIES = {
     "zimage": ["model.family=zimage", "model.resolution=32", "model.tiny.resolution=32"],
     "hunyuanvideo15": ["model.family=hunyuanvideo15", "model.resolution=32", "model.tiny.resolution=32",
                        "model.num_frames=5"],
+    "ltx2": ["model.family=ltx2", "model.resolution=32", "model.tiny.resolution=32", "model.num_frames=5"],
     # an editing family: the shapes edit requests (their sources render offline)
     "flux-kontext": ["model.family=flux-kontext", "model.resolution=32", "model.tiny.resolution=32",
                      "data.prompt_set=shapes-edit-train"],
@@ -43,7 +44,7 @@ def prompts_of(family_or_adapter) -> list[str]:
     return EDIT_PROMPTS if family in EDITING else PROMPTS
 REWARD = {f: "rewards=[{name: 'tests.helpers:brightness'}]" for f in FAMILIES}
 REWARD["wan"] = "rewards=[{name: video_frames, args: {reward: 'tests.helpers:brightness'}}]"  # videos (N, F, 3, H, W)
-REWARD["hunyuanvideo15"] = REWARD["wan"]
+REWARD["hunyuanvideo15"] = REWARD["ltx2"] = REWARD["wan"]
 # each algorithm's own options, sized for a 4-step tiny run
 ALGORITHMS = {
     "flow_grpo": [], "flow_grpo_fast": ["algorithm.window.size=1"], "mix_grpo": ["algorithm.window.size=2"],
@@ -61,7 +62,7 @@ ALGORITHMS = {
     "ac_flow": ["algorithm.group_size=2", "algorithm.timesteps_per_sample=1", "algorithm.critic_warmup=0"],
 }
 DIFFERENTIABLE = {f: "tests.helpers:brightness" for f in FAMILIES}
-DIFFERENTIABLE["wan"] = DIFFERENTIABLE["hunyuanvideo15"] = "tests.helpers:video_brightness"
+DIFFERENTIABLE["wan"] = DIFFERENTIABLE["hunyuanvideo15"] = DIFFERENTIABLE["ltx2"] = "tests.helpers:video_brightness"
 NO_EDGES = ("diffusion_nft", "awm", "sft", "online_dpo", "dgpo", "refl", "ac_flow")  # re-noised samples or re-runs
 # objectives without a policy ratio (the matching error, a preference, the reward's gradient): no ratio statistics
 NO_RATIO = ("diffusion_nft", "awm", "sft", "online_dpo", "refl", "ac_flow")
@@ -329,6 +330,71 @@ def test_hunyuanvideo15_first_sde_step_mean_equals_the_pipeline_transformers():
     ours = kernel_step("flow_grpo", x, v, s, s_next, noise_level=0.7, sigma_at_one=float(sig[1]), noise=noise)
     theirs = kernel_step("flow_grpo", x, v_pipe, s, s_next, noise_level=0.7, sigma_at_one=float(sig[1]), noise=noise)
     assert torch.allclose(ours.mean, theirs.mean, atol=1e-6), (ours.mean - theirs.mean).abs().max()
+
+
+LTX2_PLAIN_GUIDANCE = dict(stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0,
+                          guidance_rescale=0.0, audio_guidance_rescale=0.0, spatio_temporal_guidance_blocks=None)
+
+
+def test_ltx2_rollout_equals_its_pipeline(monkeypatch):
+    """Noise off: LTX2Pipeline's frames and its final audio latents (the audio stream is denoised beside the video),
+    without CFG and with it (the pipeline's x0-space CFG at one scale for both streams equals ours); the pipeline's
+    further guidance terms off."""
+    cfg = family_cfg("ltx2", "sampler.guidance_scale=4.0", "sampler.negative_prompt=")
+    adapter = load_adapter(cfg.model)
+    shape = adapter.latent_shape(32)
+    video_tokens = adapter.image_seq_len(32)
+    assert shape == (2 * 8 * 8 + 5, 4) and video_tokens == 128  # 5 frames -> 2 latent frames of 8 x 8; 5 audio frames
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(3))[None]
+    common = dict(height=32, width=32, num_frames=5, num_inference_steps=4, latents=noise[:, :video_tokens],
+                  audio_latents=noise[:, video_tokens:], max_sequence_length=cfg.model.tiny.max_tokens,
+                  **LTX2_PLAIN_GUIDANCE)
+    sig = sigmas_for(cfg, adapter, 4)
+    finals = []
+    decode = adapter.decode
+    monkeypatch.setattr(adapter, "decode", lambda z: finals.append(z) or decode(z))
+    for g, sampled in ((1.0, lambda: sample_images(adapter, [PROMPTS[0]], [3], sig, shape)),
+                       (4.0, lambda: Sampler(cfg, adapter, num_steps=4)([PROMPTS[0]], [3]))):
+        with torch.no_grad():
+            ours = sampled()
+        kwargs = dict(common, guidance_scale=g, audio_guidance_scale=g, negative_prompt="")
+        ref = adapter.pipe(prompt=PROMPTS[0], output_type="pt", **kwargs).frames
+        assert ours.shape == (1, 5, 3, 32, 32) and torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+        audio = adapter.pipe(prompt=PROMPTS[0], output_type="latent", **kwargs).audio  # (1, C, L, M) unpacked
+        packed = adapter.pipe._pack_audio_latents(audio)
+        assert torch.allclose(finals[-1][:, video_tokens:], packed, atol=1e-5), (finals[-1][:, video_tokens:] - packed).abs().max()
+    other = sample_images(adapter, [PROMPTS[1]], [3], sig, shape)
+    assert (other - ours).abs().max() > 1e-3  # the prompt reaches the video
+
+
+def test_ltx2_first_sde_step_mean_equals_the_pipeline_transformers():
+    """The first SDE step of a batch of two prompts: its mean from our velocity equals the one from LTX2Pipeline's
+    transformer called with the pipeline's own batched encodings (Gemma 3, then the connectors) and inputs."""
+    from flowrl.samplers.kernels import step as kernel_step
+
+    cfg = family_cfg("ltx2")
+    adapter = load_adapter(cfg.model)
+    pipe, n_video = adapter.pipe, adapter.image_seq_len(32)
+    x = torch.randn((2, *adapter.latent_shape(32)), generator=torch.Generator().manual_seed(1))
+    sig = sigmas_for(cfg, adapter, 4)
+    s, s_next = sig[:1].expand(2), sig[1:2].expand(2)
+    with torch.no_grad():
+        v = adapter.velocity(x, s, adapter.encode_prompts(PROMPTS))
+        e, m, _, _ = pipe.encode_prompt(prompt=PROMPTS, do_classifier_free_guidance=False,
+                                        max_sequence_length=cfg.model.tiny.max_tokens, device="cpu")
+        video_text, audio_text, mask = pipe.connectors(e, m, padding_side="left")
+        t = s * 1000
+        v_video, v_audio = pipe.transformer(
+            hidden_states=x[:, :n_video], audio_hidden_states=x[:, n_video:], encoder_hidden_states=video_text,
+            audio_encoder_hidden_states=audio_text, timestep=t, sigma=t, encoder_attention_mask=mask,
+            audio_encoder_attention_mask=mask, num_frames=2, height=8, width=8, fps=24.0, audio_num_frames=5,
+            use_cross_timestep=True, return_dict=False)
+    v_pipe = torch.cat([v_video, v_audio], 1)
+    noise = torch.zeros_like(x)
+    ours = kernel_step("flow_grpo", x, v, s, s_next, noise_level=0.7, sigma_at_one=float(sig[1]), noise=noise)
+    theirs = kernel_step("flow_grpo", x, v_pipe, s, s_next, noise_level=0.7, sigma_at_one=float(sig[1]), noise=noise)
+    assert torch.allclose(ours.mean, theirs.mean, atol=1e-6), (ours.mean - theirs.mean).abs().max()
+    assert (v[0] - v[1]).abs().max() > 1e-4  # the two prompts differ
 
 
 def test_wan_rollout_equals_wan_pipeline():

@@ -8,6 +8,7 @@ from .flux import FluxAdapter
 from .flux2 import Flux2Adapter
 from .flux_kontext import FluxKontextAdapter
 from .hunyuanvideo15 import HunyuanVideo15Adapter
+from .ltx2 import LTX2Adapter
 from .qwenimage import QwenImageAdapter
 from .qwenimage_edit import QwenImageEditAdapter, QwenImageEditPlusAdapter
 from .sd3 import SD3_LORA_TARGETS, SD3_PRESETS, SD3Adapter
@@ -16,7 +17,7 @@ from .zimage import ZImageAdapter
 
 ADAPTERS = {"sd3": SD3Adapter, "flux": FluxAdapter, "flux2": Flux2Adapter, "qwenimage": QwenImageAdapter, "wan": WanAdapter,
             "zimage": ZImageAdapter, "flux-kontext": FluxKontextAdapter,
-            "hunyuanvideo15": HunyuanVideo15Adapter, "qwenimage-edit": QwenImageEditAdapter,
+            "hunyuanvideo15": HunyuanVideo15Adapter, "ltx2": LTX2Adapter, "qwenimage-edit": QwenImageEditAdapter,
             "qwenimage-edit-plus": QwenImageEditPlusAdapter}
 
 
@@ -45,4 +46,4 @@ def load_adapter(model_cfg, device="cpu", sharded_reader: bool | None = None) ->
         return cls.from_config(model_cfg, device)
 
 
-__all__ = ["ADAPTERS", "WanAdapter", "ZImageAdapter", "FluxKontextAdapter", "HunyuanVideo15Adapter", "QwenImageEditAdapter", "Flux2Adapter", "FluxAdapter", "QwenImageAdapter", "ModelAdapter", "PromptEmbeds", "SD3Adapter", "SD3_LORA_TARGETS", "SD3_PRESETS", "load_adapter"]
+__all__ = ["ADAPTERS", "WanAdapter", "ZImageAdapter", "FluxKontextAdapter", "HunyuanVideo15Adapter", "LTX2Adapter", "QwenImageEditAdapter", "Flux2Adapter", "FluxAdapter", "QwenImageAdapter", "ModelAdapter", "PromptEmbeds", "SD3Adapter", "SD3_LORA_TARGETS", "SD3_PRESETS", "load_adapter"]

@@ -44,6 +44,16 @@ HUNYUANVIDEO15_480P = dict(in_channels=65, out_channels=32, num_attention_heads=
                            qk_norm="rms_norm", text_embed_dim=3584, text_embed_2_dim=1472, image_embed_dim=1152,
                            rope_theta=256.0, rope_axes_dim=(16, 56, 56), target_size=480, task_type="t2v",
                            use_meanflow=False)
+# LTX-2 (19B audio-video): the video stream (48 blocks, 32 heads x 128) and the audio stream (32 heads x 64) of
+# LTX2VideoTransformer3DModel's published LTX-2.0 configuration; Gemma 3 12B's 3,840-wide hidden states feed both
+LTX2_19B = dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
+                attention_head_dim=128, cross_attention_dim=4096, vae_scale_factors=(8, 32, 32), pos_embed_max_pos=20,
+                base_height=2048, base_width=2048, audio_in_channels=128, audio_out_channels=128, audio_patch_size=1,
+                audio_patch_size_t=1, audio_num_attention_heads=32, audio_attention_head_dim=64,
+                audio_cross_attention_dim=2048, audio_scale_factor=4, audio_pos_embed_max_pos=20,
+                audio_sampling_rate=16000, audio_hop_length=160, num_layers=48, activation_fn="gelu-approximate",
+                qk_norm="rms_norm_across_heads", norm_elementwise_affine=False, norm_eps=1e-6, caption_channels=3840,
+                attention_bias=True, attention_out_bias=True, rope_theta=10000.0, causal_offset=1)
 FLUX2_KLEIN_4B = dict(patch_size=1, in_channels=128, out_channels=None, num_layers=5, num_single_layers=20,
                       attention_head_dim=128, num_attention_heads=24, joint_attention_dim=7680,
                       timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32),

@@ -431,3 +431,61 @@ def build_tiny_hunyuanvideo15_pipeline(tiny, seed: int = 0):
     pipe.tokenizer_2_max_length = 8
     pipe.vision_num_semantic_tokens = 4
     return pipe
+
+
+def build_tiny_ltx2_pipeline(tiny, seed: int = 0):
+    """A tiny LTX-2-architecture audio-video pipeline: a Gemma 3 text encoder (a tiny vision tower included, as the
+    class requires) with the offline byte-level tokenizer, the text connectors that turn Gemma's stacked hidden states
+    into the video and audio streams' text tokens, a video VAE with 4x spatial and 4x temporal compression and 4 latent
+    channels, an audio VAE (8 mel bins to 2 x 2 latents per audio frame), a vocoder, and the dual-stream transformer
+    whose video and audio tokens are both 4 wide."""
+    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
+                           LTX2Pipeline, LTX2VideoTransformer3DModel)
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    torch.manual_seed(seed)
+    tokenizer = build_tiny_byte_level_tokenizer()
+    h, layers = tiny.text_hidden, tiny.text_layers
+    text_encoder = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=h, intermediate_size=2 * h,
+                                     num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                                     head_dim=max(8, h // 2), max_position_embeddings=512, sliding_window=8,
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                     bos_token_id=tokenizer.eos_token_id),
+        vision_config=SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, image_size=14, patch_size=7),
+        mm_tokens_per_image=4, image_token_index=len(tokenizer) - 1))
+    connector = dict(num_attention_heads=2, attention_head_dim=h // 2, num_layers=1, num_learnable_registers=None)
+    connectors = LTX2TextConnectors(caption_channels=h, text_proj_in_factor=layers + 1, connector_rope_base_seq_len=32,
+                                    rope_double_precision=False, rope_type="split",
+                                    **{f"{stream}_connector_{k}": v for stream in ("video", "audio")
+                                       for k, v in connector.items()})
+    z = 4
+    vae = AutoencoderKLLTX2Video(
+        in_channels=3, out_channels=3, latent_channels=z, block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
+        layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1), spatio_temporal_scaling=(True, True),
+        decoder_spatio_temporal_scaling=(True, True), decoder_inject_noise=(False, False, False),
+        downsample_type=("spatial", "spatiotemporal"), upsample_residual=(False, False), upsample_factor=(1, 1),
+        timestep_conditioning=False, patch_size=1, patch_size_t=1, encoder_causal=True, decoder_causal=False)
+    mel_bins, audio_channels = 8, 2
+    audio_vae = AutoencoderKLLTX2Audio(
+        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None, in_channels=2,
+        resolution=32, latent_channels=audio_channels, norm_type="pixel", causality_axis="height", dropout=0.0,
+        mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=mel_bins)
+    vocoder = LTX2Vocoder(in_channels=2 * mel_bins, hidden_channels=16, out_channels=2, upsample_kernel_sizes=[4, 4],
+                          upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
+                          leaky_relu_negative_slope=0.1, output_sampling_rate=16000)
+    head, audio_tokens = tiny.attention_head_dim, audio_channels * mel_bins // audio_vae.mel_compression_ratio
+    heads = tiny.num_attention_heads
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=z, out_channels=z, patch_size=1, patch_size_t=1, num_attention_heads=heads,
+        attention_head_dim=head, cross_attention_dim=heads * head,
+        vae_scale_factors=(vae.temporal_compression_ratio, vae.spatial_compression_ratio, vae.spatial_compression_ratio),
+        audio_in_channels=audio_tokens, audio_out_channels=audio_tokens, audio_num_attention_heads=heads,
+        audio_attention_head_dim=head // 2, audio_cross_attention_dim=heads * head // 2, num_layers=tiny.num_layers,
+        caption_channels=h, rope_double_precision=False, rope_type="split")
+    return LTX2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, audio_vae=audio_vae,
+                        text_encoder=text_encoder, tokenizer=tokenizer, connectors=connectors,
+                        transformer=transformer, vocoder=vocoder)
