@@ -54,7 +54,8 @@ def family_matrix_markdown() -> str:
         "full fine-tuning": lambda c: "yes",
         "FSDP2 / HSDP units": blocks,
         "context parallelism": lambda c: ("yes (image and text tokens)" if c.context_parallel_splits_text else "yes")
-        if c.context_parallel_plan() else ("no (not with source tokens yet)" if c.edits else "no (diffusers has no plan)"),
+        if c.context_parallel_plan() else (f"no ({c.context_parallel_refusal})" if c.context_parallel_refusal else
+                                           "no (not with source tokens yet)" if c.edits else "no (diffusers has no plan)"),
         "`flowrl memory` without a download": lambda c: "<br>".join(f"`{k}`" for k in c.published_architectures) or "no",
         "shipped full-size presets": None,
     }

@@ -128,7 +128,8 @@ class ModelConfig(Section):
     dtype: str = opt("fp32", "weights dtype of the transformer", choices=["fp32", "bf16", "fp16"])
     resolution: int = opt(16, "image resolution in pixels", lo=8)
     use_t5: bool = opt(True, "load the T5 encoder of real SD3 checkpoints")
-    max_sequence_length: int = opt(256, "T5 tokens (real checkpoints only; FLUX.1-dev uses 512)", lo=0, hi=512)
+    max_sequence_length: int = opt(256, "text tokens of a real checkpoint's prompt encoder (T5: FLUX.1-dev uses 512; LTX-2's "
+                                   "Gemma 3: 1024)", lo=0, hi=1024)
     guidance: float = opt(3.5, "FLUX.1-dev's distilled guidance embedding (ignored by models without one)", lo=0.0)
     text_encoder_device: str = opt("same", "where the text encoders run: same (the model's device) or cpu (each prompt "
                                    "is encoded once and cached, so they need not hold accelerator memory)",
@@ -741,6 +742,11 @@ def validate(cfg: Config) -> None:
         lo = m.resolution - m.resolution % factor
         raise ConfigError(f"model.resolution: {m.resolution} px is not a multiple of {factor} (the latent patch "
                           f"grid of this model); use {lo or factor} or {lo + factor}")
+    frames = None if m.pretrained in MODEL_NAMES else adapter_class(m.family).frames_multiple(m)
+    if frames and (m.num_frames - 1) % frames:
+        lo = m.num_frames - (m.num_frames - 1) % frames
+        raise ConfigError(f"model.num_frames: {m.num_frames} frames is not {frames}k + 1 (the VAE's {frames}x temporal "
+                          f"compression); use {lo} or {lo + frames}")
     for key, value, package, extra in (("train.optimizer", cfg.train.optimizer == "adamw_8bit", "bitsandbytes", "bitsandbytes"),
                                        ("train.attention_backend", cfg.train.attention_backend == "xformers", "xformers",
                                         "xformers"),

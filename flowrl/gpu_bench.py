@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .models.published import (FLUX1_DEV, FLUX2_KLEIN_4B, HUNYUANVIDEO15_480P, QWEN_IMAGE,  # published configs
-                               SD35_MEDIUM, WAN21_1_3B, WAN21_14B, ZIMAGE_6B)
+from .models.published import (FLUX1_DEV, FLUX2_KLEIN_4B, HUNYUANVIDEO15_480P, LTX2_19B,  # published configs
+                               QWEN_IMAGE, SD35_MEDIUM, WAN21_1_3B, WAN21_14B, ZIMAGE_6B)
 from .errors import ConfigError
 from .models.common import PromptEmbeds
 from .sampling import peak_memory_mb, synchronize
@@ -44,21 +44,25 @@ TINY["zimage"] = dict(ZIMAGE_6B, dim=64, n_layers=1, n_refiner_layers=1, n_heads
 TINY["hv15"] = dict(HUNYUANVIDEO15_480P, num_attention_heads=2, attention_head_dim=16, num_layers=1,
                     num_refiner_layers=1, text_embed_dim=32, text_embed_2_dim=16, image_embed_dim=16,
                     rope_axes_dim=(4, 6, 6))
+TINY["ltx2"] = dict(LTX2_19B, in_channels=8, out_channels=8, audio_in_channels=8, audio_out_channels=8,
+                    num_attention_heads=2, attention_head_dim=16, cross_attention_dim=32, audio_num_attention_heads=2,
+                    audio_attention_head_dim=8, audio_cross_attention_dim=16, num_layers=1, caption_channels=32)
 REAL = {"sd35m": SD35_MEDIUM, "flux1": FLUX1_DEV, "qwen": QWEN_IMAGE, "wan13": WAN21_1_3B, "wan14": WAN21_14B,
-        "flux2k": FLUX2_KLEIN_4B, "zimage": ZIMAGE_6B, "hv15": HUNYUANVIDEO15_480P}
+        "flux2k": FLUX2_KLEIN_4B, "zimage": ZIMAGE_6B, "hv15": HUNYUANVIDEO15_480P, "ltx2": LTX2_19B}
 CLASSES = {"sd35m": "SD3Transformer2DModel", "flux1": "FluxTransformer2DModel", "qwen": "QwenImageTransformer2DModel",
            "wan13": "WanTransformer3DModel", "wan14": "WanTransformer3DModel", "flux2k": "Flux2Transformer2DModel",
-           "zimage": "ZImageTransformer2DModel", "hv15": "HunyuanVideo15Transformer3DModel"}
+           "zimage": "ZImageTransformer2DModel", "hv15": "HunyuanVideo15Transformer3DModel",
+           "ltx2": "LTX2VideoTransformer3DModel"}
 # families called through their adapter's transformer call
 ADAPTER_FAMILY = {"qwen": "qwenimage", "wan13": "wan", "wan14": "wan", "flux2k": "flux2", "zimage": "zimage",
-                  "hv15": "hunyuanvideo15"}
+                  "hv15": "hunyuanvideo15", "ltx2": "ltx2"}
 # CLIP 77 x 2 padded + T5 256 (SD3); T5 512 (FLUX.1-dev); a typical Qwen2.5-VL prompt; UMT5 padded to 512 (Wan);
 # Qwen3 padded to 512 (FLUX.2 klein); a typical prompt's real Qwen3 tokens (Z-Image drops the padding)
 # HunyuanVideo 1.5: Qwen2.5-VL padded to 1000 plus ByT5's 256 (here all through the first stream's refiner; the
-# 729 masked vision tokens come from its adapter call)
+# 729 masked vision tokens come from its adapter call); LTX-2: Gemma 3 padded to 1024, through the connectors
 TEXT_TOKENS = {"sd35m": 333, "flux1": 512, "qwen": 256, "wan13": 512, "wan14": 512, "flux2k": 512, "zimage": 128,
-               "hv15": 1256}
-WAN_FRAMES = 9  # 3 latent frames (the 4x temporal VAE)
+               "hv15": 1256, "ltx2": 1024}
+WAN_FRAMES = 9  # 3 latent frames (the 4x temporal VAE); LTX-2: 2 latent frames (8x) and 9 latent audio frames
 LORA_TARGETS = {"sd35m": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"],
                 "flux1": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"],
                 "qwen": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"],
@@ -66,7 +70,15 @@ LORA_TARGETS = {"sd35m": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"
                 "wan14": ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0"],
                 "flux2k": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.to_qkv_mlp_proj"],
                 "zimage": ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0"],
-                "hv15": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]}
+                "hv15": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"],
+                "ltx2": ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0"]}
+
+
+@dataclass
+class _Frames:
+    """The two ``model`` settings a video family's latent shape reads."""
+    resolution: int
+    num_frames: int
 
 
 @dataclass
@@ -83,6 +95,10 @@ class BenchModel:
             return (16, (WAN_FRAMES - 1) // 4 + 1, px // 8, px // 8)
         if self.family == "hv15":  # 32 channels, 4x temporal and 16x spatial compression
             return (32, (WAN_FRAMES - 1) // 4 + 1, px // 16, px // 16)
+        if self.family == "ltx2":  # packed video tokens then audio tokens (S_v + S_a, C)
+            from .models.ltx2 import LTX2Adapter
+
+            return LTX2Adapter.memory_latent_shape(_Frames(px, WAN_FRAMES), dict(self.transformer.config))
         if self.family == "flux2k":  # (4C, h, w): the 32-channel VAE at 8x, patchified 2x2 before the transformer
             return (self.transformer.config.in_channels, px // 16, px // 16)
         return (16, px // 8, px // 8)  # a 16-channel VAE at 8x
@@ -93,7 +109,8 @@ class BenchModel:
             from .models import ADAPTERS
 
             if self._shell is None:
-                self._shell = ADAPTERS[ADAPTER_FAMILY[self.family]].bare(tr, self.dtype, self.device)
+                self._shell = ADAPTERS[ADAPTER_FAMILY[self.family]].bare(tr, self.dtype, self.device,
+                                                                         num_frames=WAN_FRAMES)
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
                 return self._shell._forward(x, sigma, cond).float()
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
@@ -255,7 +272,8 @@ def rollout_time(model: BenchModel, px: int, prompts: int, tiny: bool, tree: boo
 # the shipped preset whose memory model sizes each family's micro-batch (train.micro_batch=auto)
 PRESETS = {"sd35m": "sd35m_flow_grpo.yaml", "flux1": "flux1_dev_flow_grpo.yaml", "flux2k": "flux2_klein_flow_grpo.yaml",
            "qwen": "qwen_image_flow_grpo.yaml", "wan13": "wan21_1.3b_flow_grpo.yaml", "wan14": "wan21_14b_flow_grpo.yaml",
-           "zimage": "zimage_turbo_flow_grpo.yaml", "hv15": "hunyuanvideo15_480p_flow_grpo.yaml"}
+           "zimage": "zimage_turbo_flow_grpo.yaml", "hv15": "hunyuanvideo15_480p_flow_grpo.yaml",
+           "ltx2": "ltx2_flow_grpo.yaml"}
 
 
 H100_BYTES = 79 * 2 ** 30  # what an 80 GB H100 reports: the card --tiny sizes its micro-batches for
@@ -274,7 +292,7 @@ def auto_batch(family: str, px: int, device: torch.device, checkpointing: bool, 
                  "sampler.guidance_scale=1.0", f"train.gradient_checkpointing={str(checkpointing).lower()}",
                  "train.kl_beta=0", "train.ema.enabled=false",
                  "train.lora.targets=[" + ",".join(LORA_TARGETS[family]) + "]", "train.lora.rank=32"]
-    if family in ("wan13", "wan14", "hv15"):
+    if family in ("wan13", "wan14", "hv15", "ltx2"):
         overrides.append(f"model.num_frames={WAN_FRAMES}")
     cfg = load_config(PRESETS[family], overrides)  # the shipped preset, found from any folder
     chosen, why = auto_micro_batch(cfg, device, 1, capacity=capacity)

@@ -2,21 +2,22 @@
 
 Each stage runs in its own process with its own time budget, so one that fails or hangs (a CUDA error, a
 compilation that overruns) is recorded and the next one still runs. A stage writes each row as soon as it is
-measured, so a stage that runs out of time still reports what it measured. The whole check is sized for 7
-minutes on one H100 80 GB (from the timings of an earlier run on one). It writes ``gpu_check.json`` (every stage's
+measured, so a stage that runs out of time still reports what it measured. The stages' budgets add up
+to 9.1 minutes on one H100 80 GB (sized from the timings of an earlier run on one). It writes ``gpu_check.json`` (every stage's
 status, seconds, rows or error) and ``gpu_check.md`` (the same as tables) into ``--out``. ``--tiny`` runs the
 same stages on a CPU with shrunken models (the test suite does).
 
 Stages:
 - ``bench-sd35m``, ``bench-flux1``, ``bench-flux2-klein``, ``bench-qwen-image``, ``bench-wan21-1.3b``,
-  ``bench-wan21-14b``, ``bench-zimage``, ``bench-hunyuanvideo15``: ``flowrl bench-gpu`` on the published architectures with random weights. Per family and
+  ``bench-wan21-14b``, ``bench-zimage``, ``bench-hunyuanvideo15``, ``bench-ltx2``: ``flowrl bench-gpu`` on the published architectures with random weights. Per family and
   resolution: the LoRA update step (r 32 on the attention projections, bf16 autocast, fused AdamW) without and
   with gradient checkpointing, each at the micro-batch ``train.micro_batch=auto`` picks for the family's preset
   (at most 16; ``estimate_mb`` is the memory model's prediction beside the measured peak), then a flat rollout
   (``chains`` independent chains per prompt) and a BranchGRPO tree with as many leaves, one prompt, ``steps``
   steps; every row with measured FLOPs, TFLOP/s and MFU (rollouts: the FLOP count of one transformer call times
   the evaluations). SD3.5-M at 512 and 1024 px (8 chains at 1024), FLUX.1-dev, FLUX.2 [klein] 4B and Qwen-Image
-  at 512 px, Wan 2.1 1.3B and 14B at 256 px x 9 frames (8 chains for 14B), Z-Image (6B) at 512 px with 8 steps, HunyuanVideo 1.5 (8.3B) at 256 px x 9 frames (8 chains);
+  at 512 px, Wan 2.1 1.3B and 14B at 256 px x 9 frames (8 chains for 14B), Z-Image (6B) at 512 px with 8 steps, HunyuanVideo 1.5 (8.3B) at 256 px x 9 frames (8 chains), LTX-2 (19B, its audio stream
+  beside the video) at 256 px x 9 frames (8 chains);
 - ``end-to-end-sd35m``: the shipped SD3.5-M Flow-GRPO preset (LoRA) trained for two iterations at real size, 512
   px, bf16, with random weights of every component of its pipeline and of its reward model
   (:mod:`flowrl.models.published`: the MMDiT-X transformer, the VAE, CLIP-L, bigG and T5-XXL, PickScore's CLIP
@@ -43,7 +44,7 @@ from pathlib import Path
 
 from .callbacks import Callback
 
-STAGES = {  # name -> seconds allowed on one H100 (the tiny CPU check gets four times as long); 8.4 minutes in all
+STAGES = {  # name -> seconds allowed on one H100 (the tiny CPU check gets four times as long); 9.1 minutes in all
     "bench-sd35m": 65,
     "bench-flux1": 55,
     "bench-flux2-klein": 35,
@@ -52,6 +53,7 @@ STAGES = {  # name -> seconds allowed on one H100 (the tiny CPU check gets four 
     "bench-wan21-14b": 45,
     "bench-zimage": 40,
     "bench-hunyuanvideo15": 45,
+    "bench-ltx2": 40,
     "end-to-end-sd35m": 55,
     "fsdp-world1": 30,
     "gpu-tests": 35,
@@ -65,7 +67,8 @@ BENCH = {"bench-sd35m": ("sd35m", {512: (10, 16), 1024: (10, 8)}),
          "bench-wan21-1.3b": ("wan13", {256: (10, 16)}),
          "bench-wan21-14b": ("wan14", {256: (10, 8)}),
          "bench-zimage": ("zimage", {512: (8, 16)}),
-         "bench-hunyuanvideo15": ("hv15", {256: (10, 8)})}
+         "bench-hunyuanvideo15": ("hv15", {256: (10, 8)}),
+         "bench-ltx2": ("ltx2", {256: (10, 8)})}
 ROWS = "rows.jsonl"  # a stage's rows, one JSON object per line, appended as each is measured
 
 

@@ -139,7 +139,8 @@ def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
     heads = min(heads_full, max(1, 256 // head_dim))
     counts = adapter_cls.memory_block_counts(c)
     cls = getattr(diffusers, arch.class_name)
-    shell = adapter_cls.bare(None, torch.float32, "cpu")  # the family's own transformer call, without a pipeline
+    # the family's own transformer call, without a pipeline, with the run's family settings (frames, ...)
+    shell = adapter_cls.bare(None, torch.float32, "cpu", **adapter_cls.options(cfg.model))
     tiny = cfg.model.pretrained in (None, "", "tiny") or str(cfg.model.pretrained).startswith("tiny")
     shape = adapter_cls.memory_latent_shape(cfg.model, c)  # a real checkpoint's (the tiny ones are measured below)
     text_tokens = adapter_cls.memory_text_tokens(cfg.model)
@@ -181,7 +182,7 @@ def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
     precision = 0.5 if t.mixed_precision in ("bf16", "fp16") else 1.0
     if t.gradient_checkpointing:
         sources = adapter_cls.max_sources * math.prod(source_shape[1:]) // 4 if adapter_cls.edits else 0
-        tokens = math.prod(shape[1:]) // 4 + sources + text_tokens  # each block's saved input: (tokens, width), bound
+        tokens = adapter_cls.memory_image_tokens(shape) + sources + text_tokens  # each block's saved input: (tokens, width), bound
         width = heads_full * head_dim
         body = max(per_block.values()) * scale + sum(counts.values()) * tokens * width * 4
     else:

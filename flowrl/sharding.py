@@ -261,9 +261,11 @@ def check_context(cfg, processes: int) -> None:
     cp = cfg.train.context_parallel
     if cp.degree == 1:
         return
-    if not adapter_class(cfg.model.family).context_parallel_plan():
+    family = adapter_class(cfg.model.family)
+    if not family.context_parallel_plan():
+        why = f" ({family.context_parallel_refusal})" if family.context_parallel_refusal else ""
         raise ConfigError(f"train.context_parallel: the {cfg.model.family} family's transformer has no context-parallel "
-                          f"plan; use one of {', '.join(families_with_context_parallel())}, or set "
+                          f"plan{why}; use one of {', '.join(families_with_context_parallel())}, or set "
                           f"train.context_parallel.ulysses=1 and ring=1")
     if processes % cp.degree:
         raise ConfigError(f"train.context_parallel: ulysses x ring = {cp.degree} does not divide the {processes} "

@@ -616,7 +616,7 @@ def test_an_image_reward_on_videos_says_how_to_wrap_it(tmp_path, capsys):
                                      "rewards=[{name: video_frames, args: {reward: jpeg_compressibility}}]")
 
 
-@pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage", "wan", "zimage", "hunyuanvideo15"])
+@pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage", "wan", "zimage", "hunyuanvideo15", "ltx2"])
 def test_a_local_diffusers_folder_loads_by_path(tmp_path, family):
     """model.pretrained=<folder>: a checkpoint saved with save_pretrained loads through the family's pipeline
     (FLUX.2: the class named in its model_index.json) and gives the same velocities."""

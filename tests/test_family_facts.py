@@ -134,6 +134,27 @@ def test_a_plug_in_family_gets_its_own_context_parallel_answer(plugin_family):
     assert "sd3" not in families_with_context_parallel()
 
 
+def test_ltx2_declares_its_frames_rule_memory_tokens_and_context_parallel_answer():
+    """LTX-2's 8x temporal VAE (4x in the tiny model): model.num_frames is checked before loading; its memory latent
+    is the packed video tokens then audio frames; its transformer has a diffusers plan that flowrl refuses, saying
+    why."""
+    from flowrl.models import ADAPTERS
+    from flowrl.models.published import LTX2_19B
+    from flowrl.sharding import check_context, families_with_context_parallel
+
+    with pytest.raises(ConfigError, match=r"48 frames is not 8k \+ 1 .* use 41 or 49"):
+        load_config(None, ["model.family=ltx2", "model.pretrained=ltx-2", "model.resolution=512", "model.num_frames=48"])
+    with pytest.raises(ConfigError, match=r"7 frames is not 4k \+ 1 .* use 5 or 9"):
+        load_config(None, ["model.family=ltx2", "model.resolution=32", "model.num_frames=7"])
+    cfg = load_config(None, ["model.family=ltx2", "model.pretrained=ltx-2", "model.resolution=512",
+                             "model.num_frames=121"])
+    # 121 frames -> 16 latent frames of 16 x 16 tokens; 121 / 24 s x 16000 / 160 / 4 = 126.04 -> 126 audio frames
+    assert ADAPTERS["ltx2"].memory_latent_shape(cfg.model, LTX2_19B) == (16 * 16 * 16 + 126, 128)
+    with pytest.raises(ConfigError, match="no context-parallel plan .diffusers' plan splits the video tokens only"):
+        check_context(load_config(None, ["model.family=ltx2", "train.context_parallel.ulysses=2"]), 2)
+    assert "ltx2" not in families_with_context_parallel()
+
+
 def test_extra_transformers_and_the_padding_sigma_come_from_the_adapter():
     from flowrl.models import load_adapter
 
@@ -159,6 +180,7 @@ def test_a_family_declares_its_fsdp_units():
     assert ADAPTERS["sd3"].fsdp_units() == tuple(SD3Transformer2DModel._repeated_blocks or
                                                  SD3Transformer2DModel._no_split_modules)
     assert "HunyuanVideo15TransformerBlock" in ADAPTERS["hunyuanvideo15"].fsdp_units()
+    assert ADAPTERS["ltx2"].fsdp_units() == ("LTX2VideoTransformerBlock",)
     assert ADAPTERS["flux-kontext"].fsdp_units() == ADAPTERS["flux"].fsdp_units()
     with torch.device("meta"):
         model = SD3Transformer2DModel(num_layers=2, attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,

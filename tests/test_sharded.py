@@ -52,7 +52,11 @@ CASES = {
     "hunyuanvideo15_lora": ("tiny_flow_grpo.yaml", ["model.family=hunyuanvideo15", "model.resolution=32",
                                                     "model.tiny.resolution=32", "model.num_frames=5",
                                                     "train.prompts_per_iter=2", "sampler.num_steps=4",
-                                                    "rewards=[{name: video_frames, args: {reward: jpeg_compressibility}}]"]),
+                                                    "rewards=[{name: video_frames, args: {reward: 'tests.helpers:brightness'}}]"]),
+    # LTX-2: its audio-video blocks are the FSDP units; the packed video and audio tokens are one latent
+    "ltx2_lora": ("tiny_flow_grpo.yaml", ["model.family=ltx2", "model.resolution=32", "model.tiny.resolution=32",
+                                          "model.num_frames=5", "train.prompts_per_iter=2", "sampler.num_steps=4",
+                                          "rewards=[{name: video_frames, args: {reward: 'tests.helpers:brightness'}}]"]),
     # FLUX.1 Kontext: edit requests whose source tokens ride in every call
     "flux_kontext_lora": ("tiny_flow_grpo.yaml", ["model.family=flux-kontext", "model.resolution=32",
                                                   "model.tiny.resolution=32", "data.prompt_set=shapes-edit-train",
@@ -74,6 +78,10 @@ SLOW = {"flow_grpo_lora", "flow_grpo_full", "branch_grpo_pruned", "branch_grpo_p
 # families whose prompts encode to different token counts, padded to the longest of the batch a process holds: one
 # process pads every prompt of the iteration together, two pad their halves apart, so values agree to rounding
 PADDED_TEXT = {"qwenimage_edit_lora"}
+# LTX-2's transformer rounds a row differently when the other rows of its batch differ (4e-7 in a velocity): the
+# update's micro-batches hold both prompts' rows in one process and one prompt's in each of two (two unsharded
+# processes differ from one the same way, so this is the batching, not the sharding)
+ROW_ROUNDING = {"ltx2_lora"}
 
 
 def _cases(names):
@@ -91,7 +99,7 @@ def test_fsdp_two_processes_equal_one_unsharded_process(tmp_path, case):
     for a, b in zip(one, two):
         for k in EXACT:
             if k in a:
-                if case in PADDED_TEXT:  # each process pads its own prompts: matmuls of other sizes round apart
+                if case in PADDED_TEXT | ROW_ROUNDING:  # batches of other rows: matmuls round apart
                     assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
                 else:
                     assert a[k] == b[k], k

@@ -81,7 +81,7 @@ def test_gpu_check_tiny_runs_every_stage_on_a_cpu(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "check/gpu_check.json").read_text())
     assert list(report["stages"]) == ["bench-sd35m", "bench-flux1", "bench-flux2-klein", "bench-qwen-image",
-                                      "bench-wan21-1.3b", "bench-wan21-14b", "bench-zimage", "bench-hunyuanvideo15",
+                                      "bench-wan21-1.3b", "bench-wan21-14b", "bench-zimage", "bench-hunyuanvideo15", "bench-ltx2",
                                       "end-to-end-sd35m",
                                       "fsdp-world1", "gpu-tests", "tiny-main-job"]
     for name, stage in report["stages"].items():

@@ -37,8 +37,9 @@ class ACFlowOptions(StrataOptions):
 
 
 class Critic(torch.nn.Module):
-    """V(x_t, sigma): the latent averaged over frames (video) and pooled to 4 x 4 per channel, with sigma and
-    four Fourier features of it, through a two-layer MLP. x (B, C, [F,] H, W), sigma (B,) -> (B,)."""
+    """V(x_t, sigma): the latent averaged over frames (video) and pooled to 4 x 4 per channel (a latent of packed
+    tokens (B, S, C): pooled to 16 positions along its sequence), with sigma and four Fourier features of it, through
+    a two-layer MLP. x (B, C, [F,] H, W) or (B, S, C), sigma (B,) -> (B,)."""
 
     def __init__(self, channels: int, width: int):
         super().__init__()
@@ -49,7 +50,10 @@ class Critic(torch.nn.Module):
         x = x.float()
         if x.ndim == 5:
             x = x.mean(2)
-        pooled = torch.nn.functional.adaptive_avg_pool2d(x, 4).flatten(1)  # (B, C * 16)
+        if x.ndim == 3:  # packed tokens (B, S, C)
+            pooled = torch.nn.functional.adaptive_avg_pool1d(x.transpose(1, 2), 16).flatten(1)  # (B, C * 16)
+        else:
+            pooled = torch.nn.functional.adaptive_avg_pool2d(x, 4).flatten(1)  # (B, C * 16)
         k = torch.arange(1, 5, device=x.device, dtype=torch.float32) * torch.pi
         s = sigma.float().view(-1, 1)
         feats = torch.cat([pooled, s, torch.sin(k * s), torch.cos(k * s)], dim=1)  # (B, C * 16 + 9)
@@ -71,7 +75,8 @@ class ACFlow(ForwardProcessAlgorithm):
 
     def attach(self, policy, ctx) -> None:
         super().attach(policy, ctx)
-        channels = ctx.sample.latent_shape[0]
+        shape = ctx.sample.latent_shape
+        channels = shape[-1] if len(shape) == 2 else shape[0]  # packed tokens (S, C), else (C, [F,] H, W)
         self.critic = Critic(channels, self.opts.critic_width).to(policy.adapter.device)
         self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=self.opts.critic_lr)
         if self.pending_state is not None:

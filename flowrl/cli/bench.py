@@ -101,9 +101,9 @@ def add_parsers(sub) -> None:
     b.set_defaults(func=cmd_bench)
     bg = sub.add_parser("bench-gpu", help="SD3.5-Medium- and FLUX.1-sized transformers (random weights, real configs): "
                         "LoRA GRPO update step and flat / tree rollouts; time, images/s, TFLOP/s, MFU, peak memory")
-    bg.add_argument("--families", nargs="+", default=["sd35m", "flux1"], choices=["sd35m", "flux1", "flux2k", "qwen", "wan13", "wan14", "zimage", "hv15"],
+    bg.add_argument("--families", nargs="+", default=["sd35m", "flux1"], choices=["sd35m", "flux1", "flux2k", "qwen", "wan13", "wan14", "zimage", "hv15", "ltx2"],
                     help="architectures to build (SD3.5-M, FLUX.1-dev, FLUX.2 [klein] 4B, Qwen-Image, Wan 2.1 1.3B / 14B, "
-                         "Z-Image 6B, HunyuanVideo 1.5 8.3B)")
+                         "Z-Image 6B, HunyuanVideo 1.5 8.3B, LTX-2 19B)")
     bg.add_argument("--resolutions", nargs="+", type=positive_int, default=[512, 1024], help="image sides in pixels")
     bg.add_argument("--batch", type=batch_size, default=4, help="edges per update step, or auto: the micro-batch "
                     "train.micro_batch=auto picks for the family's preset on this device")

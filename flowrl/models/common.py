@@ -5,6 +5,8 @@ call (:meth:`_forward`) and its latent geometry."""
 
 from __future__ import annotations
 
+import math
+
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -97,6 +99,7 @@ class PipelineAdapter:
     # ``flowrl memory`` needs no download
     published_architectures: dict[str, tuple[dict, int]] = {}
     context_parallel_splits_text = False  # the context-parallel plan splits the text tokens as well as the image's
+    context_parallel_refusal = ""  # why a family whose transformer has a diffusers plan has none in flowrl
     video = False  # latents carry a frame axis (C, F, H, W)
 
     # an editing family: each prompt is an edit request (flowrl.editing.EditPrompt) whose source images condition
@@ -115,6 +118,17 @@ class PipelineAdapter:
         if model_cfg.pretrained in (None, "", "tiny"):
             return cls.tiny_patch_pixels or model_cfg.tiny.patch_size * (2 if model_cfg.tiny.vae else 1)
         return cls.real_patch_pixels
+
+    @classmethod
+    def frames_multiple(cls, model_cfg) -> int | None:
+        """``model.num_frames - 1`` must be a multiple of this (a video family's temporal compression); None: no
+        rule is checked before loading."""
+        return None
+
+    @classmethod
+    def memory_image_tokens(cls, shape: tuple[int, ...]) -> int:
+        """Image tokens of a real checkpoint's latent of ``memory_latent_shape``: its cells in 2 x 2 patches."""
+        return math.prod(shape[1:]) // 4
 
     @classmethod
     def fsdp_units(cls) -> tuple[str, ...]:
@@ -251,11 +265,15 @@ class PipelineAdapter:
         return out if isinstance(out, tuple) else (out, {})
 
     @classmethod
-    def bare(cls, transformer, dtype: torch.dtype, device: torch.device) -> "PipelineAdapter":
+    def bare(cls, transformer, dtype: torch.dtype, device: torch.device, **family) -> "PipelineAdapter":
         """This family's transformer call (:meth:`_forward`) around ``transformer``, without a pipeline (no
-        encoders, no VAE): for benchmarks and memory estimates on random-weight or narrowed models."""
+        encoders, no VAE): for benchmarks and memory estimates on random-weight or narrowed models. ``family``:
+        the family's settings (``family_options``, e.g. ``num_frames``) where they differ from the class's."""
         shell = cls.__new__(cls)
         shell.transformer, shell.dtype, shell.device, shell.boundary = transformer, dtype, torch.device(device), None
+        for name, value in family.items():
+            if name in cls.family_options:
+                setattr(shell, name, value)
         return shell
 
     family_options: tuple[str, ...] = ()  # settings read from the ``model`` config section of the same name

@@ -57,9 +57,21 @@ class LTX2Adapter(PipelineAdapter):
 
     @classmethod
     def frames_multiple(cls, model_cfg) -> int:
-        """``model.num_frames - 1`` must be a multiple of this: the VAE's temporal compression."""
-        tiny = model_cfg.pretrained in (None, "", "tiny")
-        return cls.tiny_frames_multiple if tiny else cls.real_frames_multiple
+        """``model.num_frames - 1`` must be a multiple of this: the VAE's temporal compression (a local folder's
+        ``vae/config.json`` says its own)."""
+        import json
+        from pathlib import Path
+
+        if model_cfg.pretrained in (None, "", "tiny"):
+            return cls.tiny_frames_multiple
+        vae_config = Path(str(model_cfg.pretrained)) / "vae" / "config.json"
+        if vae_config.is_file():  # unset: the VAE's own rule, its temporal patch x 2 per scaling stage
+            c = json.loads(vae_config.read_text())
+            return int(c.get("temporal_compression_ratio") or
+                       c.get("patch_size_t", 1) * 2 ** sum(c.get("spatio_temporal_scaling", (True,) * 3)))
+        return cls.real_frames_multiple
+
+    context_parallel_refusal = "diffusers' plan splits the video tokens only; the audio stream attends to all of them"
 
     @classmethod
     def context_parallel_plan(cls) -> dict | None:
@@ -156,8 +168,11 @@ class LTX2Adapter(PipelineAdapter):
         z = self.pipe._unpack_latents(video, frames, h // p, w // p, p, pt)  # (B, C, F', h, w)
         z = self.pipe._denormalize_latents(z, self.vae.latents_mean, self.vae.latents_std, self.vae.config.scaling_factor)
         # the pipeline's decode_timestep is 0 (its default): no noise is added before decoding
-        timestep = z.new_zeros(z.shape[0]) if self.vae.config.timestep_conditioning else None
-        out = self.vae.decode(z.to(self.vae.dtype), timestep, return_dict=False)[0]
+        timestep = z.new_zeros(1) if self.vae.config.timestep_conditioning else None
+        # one video at a time, as the pipeline decodes one prompt's: the 3D convolutions round a batch's rows apart
+        # from each row alone, and a sample's pixels should not depend on which samples share its decode
+        out = torch.cat([self.vae.decode(z[i: i + 1].to(self.vae.dtype), timestep, return_dict=False)[0]
+                         for i in range(z.shape[0])])
         return (out.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)  # (B, 3, F, H, W) -> (B, F, 3, H, W)
 
     # ---------------------------------------------------------------- text and velocity
