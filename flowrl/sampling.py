@@ -43,7 +43,12 @@ def kernel_options(cfg) -> dict:
 
 
 def check_noise_lowpass(cfg, latent_shape) -> None:
-    """``sampler.noise_lowpass`` must fit the latent's height and width: one line otherwise."""
+    """``sampler.noise_lowpass`` must fit the latent's height and width: one line otherwise. A latent of packed
+    tokens (S, C) has no spatial axes to filter."""
+    if cfg.sampler.noise_lowpass and len(latent_shape) < 3:
+        raise ConfigError(f"sampler.noise_lowpass={cfg.sampler.noise_lowpass}: this model's latent is a sequence of "
+                          f"packed tokens {tuple(latent_shape)}, with no height and width to filter; set "
+                          "sampler.noise_lowpass=0")
     most = min(latent_shape[-2:])
     if cfg.sampler.noise_lowpass > most:
         raise ConfigError(f"sampler.noise_lowpass={cfg.sampler.noise_lowpass}: the latent is only "

@@ -182,6 +182,11 @@ def test_shapes_edit_reward_parts_by_hand():
     gate = EditGate({"name": "shapes_edit", "args": {"part": "asked"}},
                     {"name": "shapes_edit", "args": {"part": "kept"}}, threshold=0.75)
     assert gate(images, [request] * 3).tolist() == pytest.approx([1.0, 0.0, 0.0])
+    # read=True: the checker's readout, 1 or 0 per attribute: the exact edit keeps both others (1); the repainted
+    # one keeps the square (read off the red mask) but not the colour (0.5); the untouched source keeps both (1)
+    read = {part: ShapesEditReward(part=part, read=True)(images, [request] * 3).tolist()
+            for part in ("asked", "kept", "all")}
+    assert read == {"asked": [1.0, 1.0, 0.0], "kept": [1.0, 0.5, 1.0], "all": pytest.approx([1.0, 2 / 3, 2 / 3])}
     with pytest.raises(RewardError, match="part='some'"):
         ShapesEditReward(part="some")
 

@@ -6,7 +6,6 @@ call (:meth:`_forward`) and its latent geometry."""
 from __future__ import annotations
 
 import math
-
 from contextlib import contextmanager
 from dataclasses import dataclass
 

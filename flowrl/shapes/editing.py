@@ -99,25 +99,34 @@ class ShapesEditReward:
     ``part="all"``: the mean of the three attribute scores, so the asked attribute changed and the others kept earn
     the same partial credit as generating the target (see ``shapes``). ``part="asked"``: the asked attribute's score
     alone, an instruction-following reward that does not look at the rest of the image. ``part="kept"``: the mean of
-    the two other attributes' scores, which read as the source's: how much of the source the edit preserved."""
+    the two other attributes' scores, which read as the source's: how much of the source the edit preserved.
+
+    ``read=True``: each attribute scores 1 where the checker reads it as the target's and 0 otherwise (the readout
+    the edit accuracy counts) instead of the continuous scores, which move little between a shape read right and
+    one read wrong."""
 
     PARTS = ("all", "asked", "kept")
 
-    def __init__(self, shape: str = "margin", part: str = "all"):
+    def __init__(self, shape: str = "margin", part: str = "all", read: bool = False):
         if part not in self.PARTS:
             raise RewardError(f"shapes_edit reward: part={part!r} must be one of {', '.join(self.PARTS)}")
         self.inner = ShapesReward(shape=shape)
-        self.part = part
+        self.part, self.read = part, bool(read)
 
     def __call__(self, images, prompts, metadata=None):
         from .reward import attribute_scores
 
         targets = [source_and_target(p) for p in prompts]
-        if self.part == "all":
+        if self.part == "all" and not self.read:
             return self.inner(images, [t[2].prompt for t in targets], metadata)
         s = attribute_scores(images, [t[2].prompt for t in targets])
-        shape = s["shape_score"] if self.inner.shape == "iou" else (1 + s["shape_margin"]) / 2
-        per_attribute = {"background": s["bg_score"], "color": s["color_score"], "shape": shape}  # each (N,)
+        if self.read:
+            per_attribute = {"background": s["bg_ok"], "color": s["color_ok"], "shape": s["shape_ok"]}  # 0 / 1
+        else:
+            shape = s["shape_score"] if self.inner.shape == "iou" else (1 + s["shape_margin"]) / 2
+            per_attribute = {"background": s["bg_score"], "color": s["color_score"], "shape": shape}  # each (N,)
+        if self.part == "all":
+            return sum(per_attribute.values()) / 3
         rows = np.arange(len(prompts))
         asked = np.array([per_attribute[attribute][i] for i, (_, attribute, _) in zip(rows, targets)])
         if self.part == "asked":
