@@ -153,6 +153,10 @@ def test_ltx2_declares_its_frames_rule_memory_tokens_and_context_parallel_answer
     with pytest.raises(ConfigError, match="no context-parallel plan .diffusers' plan splits the video tokens only"):
         check_context(load_config(None, ["model.family=ltx2", "train.context_parallel.ulysses=2"]), 2)
     assert "ltx2" not in families_with_context_parallel()
+    from flowrl.sampling import check_noise_lowpass
+
+    with pytest.raises(ConfigError, match="packed tokens .133, 4.*sampler.noise_lowpass=0"):
+        check_noise_lowpass(load_config(None, ["model.family=ltx2", "sampler.noise_lowpass=2"]), (133, 4))
 
 
 def test_extra_transformers_and_the_padding_sigma_come_from_the_adapter():
