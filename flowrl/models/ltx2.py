@@ -153,7 +153,8 @@ class LTX2Adapter(PipelineAdapter):
         return self.linspace_shifted_sigmas(num_steps, resolution)
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
-        """(B, S, C) -> the video tokens (B, S_v, C), the audio tokens (B, S_a, C) and the video grid (F', h, w)."""
+        """(B, S, C) -> the video tokens (B, S_v, C), the audio tokens (B, S_a, C) and the video's token grid
+        (frames, rows, columns), in patches."""
         c = self._config()
         audio = self._audio_frames(self.num_frames, self.frame_rate, c)
         frames = ((self.num_frames - 1) // c["vae_scale_factors"][0] + 1) // c["patch_size_t"]
@@ -165,7 +166,7 @@ class LTX2Adapter(PipelineAdapter):
         """(B, S_v + S_a, C) -> videos (B, F, 3, H, W) in [0, 1]; the audio tokens are not decoded."""
         video, _, (frames, h, w) = self._split(latents.float())
         p, pt = self.transformer.config.patch_size, self.transformer.config.patch_size_t
-        z = self.pipe._unpack_latents(video, frames, h // p, w // p, p, pt)  # (B, C, F', h, w)
+        z = self.pipe._unpack_latents(video, frames, h, w, p, pt)  # (B, C, F', h, w)
         z = self.pipe._denormalize_latents(z, self.vae.latents_mean, self.vae.latents_std, self.vae.config.scaling_factor)
         # the pipeline's decode_timestep is 0 (its default): no noise is added before decoding
         timestep = z.new_zeros(1) if self.vae.config.timestep_conditioning else None
@@ -194,6 +195,7 @@ class LTX2Adapter(PipelineAdapter):
 
     def _forward(self, x, sigma, cond):
         video, audio, (frames, h, w) = self._split(x)
+        p, pt = self.transformer.config.patch_size, self.transformer.config.patch_size_t
         extra = cond.extra or {}
         audio_text = extra.get("audio_embeds", cond.embeds)  # a replica without the pipeline: the same text tokens
         mask = cond.mask if cond.mask is not None else torch.ones(cond.embeds.shape[:2], device=x.device)
@@ -202,7 +204,7 @@ class LTX2Adapter(PipelineAdapter):
             hidden_states=video.to(self.dtype), audio_hidden_states=audio.to(self.dtype),
             encoder_hidden_states=cond.embeds.to(self.dtype), audio_encoder_hidden_states=audio_text.to(self.dtype),
             timestep=t, sigma=t, encoder_attention_mask=mask.to(self.dtype),
-            audio_encoder_attention_mask=mask.to(self.dtype), num_frames=frames, height=h, width=w,
+            audio_encoder_attention_mask=mask.to(self.dtype), num_frames=frames * pt, height=h * p, width=w * p,
             fps=self.frame_rate, audio_num_frames=audio.shape[1], use_cross_timestep=self.use_cross_timestep,
             return_dict=False)
         return torch.cat([v_video, v_audio], dim=1).float()  # (B, S_v + S_a, C)
