@@ -101,6 +101,7 @@ class LTX2Adapter(PipelineAdapter):
 
     @classmethod
     def memory_image_tokens(cls, shape: tuple[int, ...]) -> int:
+        """Every token of the latent (video and audio): each block carries both streams."""
         return shape[0]
 
     @classmethod
