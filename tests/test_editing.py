@@ -216,6 +216,53 @@ def test_edit_pairs_keep_the_shape_in_place():
     assert shape_edits and colour_edits
 
 
+
+def test_imperfect_edit_pairs_miss_or_over_edit_in_their_shares():
+    """An imperfect editing dataset's pairs, by hand and read by the checker: ``missed`` pairs show the source
+    unchanged, ``over_edited`` pairs the asked change plus the replaced colour leaking into the other colour (a shape
+    edit's two colours swap); the shares match the draw
+    within 3 standard errors; no draw is made (the clean stream is kept) when both shares are 0."""
+    import random
+
+    from flowrl.shapes.domain import ShapeSpec, split_specs
+    from flowrl.shapes.editing import target_of
+    from flowrl.shapes.pretrain_edit import edit_batch, imperfect_target
+
+    spec, target = ShapeSpec("circle", "red", "blue"), ShapeSpec("square", "red", "blue")
+    rng = random.Random(1)
+    assert imperfect_target(spec, target, rng, missed=1.0, over_edited=0.0) == spec
+    assert imperfect_target(spec, target, rng, missed=0.0, over_edited=1.0) == ShapeSpec("square", "blue", "red")
+    recolour = ShapeSpec("circle", "green", "blue")  # "make the shape green": the old red leaks into the background
+    assert imperfect_target(spec, recolour, rng, 0.0, 1.0) == ShapeSpec("circle", "green", "red")
+    background = ShapeSpec("circle", "red", "white")  # "make the background white": the shape takes the old blue
+    assert imperfect_target(spec, background, rng, 0.0, 1.0) == ShapeSpec("circle", "blue", "white")
+    assert imperfect_target(spec, target, rng, 0.0, 0.0) == target
+
+    n = 400
+    specs = split_specs()[0]
+    clean = edit_batch(specs, n, random.Random(0), 16)
+    imperfect = edit_batch(specs, n, random.Random(0), 16, missed=0.25, over_edited=0.25)
+    assert torch.equal(edit_batch(specs, n, random.Random(0), 16, 0.0, 0.0)[1], clean[1])
+    from flowrl.shapes.reward import classify
+
+    reads = [classify(images / 2 + 0.5) for images in (imperfect[0], imperfect[1])]
+    outcome = {"missed": 0, "over": 0, "right": 0}
+    for (s, t, text) in zip(reads[0], reads[1], imperfect[2]):
+        source = ShapeSpec(s[2], s[1], s[0])
+        got = ShapeSpec(t[2], t[1], t[0])
+        attribute, want = target_of(source, text)
+        differs = sum(getattr(got, a) != getattr(source, a) for a in ("shape", "color", "background"))
+        if got == source:
+            outcome["missed"] += 1
+        elif got == want:
+            outcome["right"] += 1
+        else:
+            assert getattr(got, attribute) == getattr(want, attribute)
+            assert differs == (3 if attribute == "shape" else 2)  # a shape edit's colours swap
+            outcome["over"] += 1
+    se = (0.25 * 0.75 / n) ** 0.5
+    assert abs(outcome["missed"] / n - 0.25) < 3 * se and abs(outcome["over"] / n - 0.25) < 3 * se
+
 def test_a_pixel_space_kontext_model_reads_its_source_as_pixels(tmp_path):
     """The tiny editing model's layout: no VAE, the source's pixels (in [-1, 1]) are its reference tokens, and an
     exported model loads back as a FluxKontextPipeline with the same velocity (fp16 weights)."""

@@ -35,7 +35,8 @@ def cmd_pretrain_tiny_edit(args) -> int:
 
     pretrain_tiny_edit(args.work_dir, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                        save_every=args.save_every, eval_every=args.eval_every, export_dir=args.export_dir,
-                       instruction_dropout=args.instruction_dropout)
+                       instruction_dropout=args.instruction_dropout, missed=args.missed,
+                       over_edited=args.over_edited)
     return 0
 
 
@@ -107,6 +108,10 @@ def add_commands(sub) -> None:
     pe.add_argument("--instruction-dropout", type=unit_interval, default=0.0,
                     help="share of instructions replaced by the empty one, so that the model can be sampled with "
                          "classifier-free guidance (the shipped model: 0)")
+    pe.add_argument("--missed", type=unit_interval, default=0.0,
+                    help="share of pairs whose target is the unchanged source, as in an imperfect editing dataset")
+    pe.add_argument("--over-edited", type=unit_interval, default=0.0,
+                    help="share of pairs whose target also changes one attribute the instruction did not ask for")
     pe.set_defaults(func=cmd_pretrain_tiny_edit)
     pc = sub.add_parser("pretrain-tiny-clip", help="train the tiny shapes CLIP (open_clip architecture) on the CPU")
     _optimisation_arguments(pc, steps=1500, batch=64, resumable=False)

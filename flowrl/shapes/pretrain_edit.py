@@ -6,9 +6,10 @@ coordinate is 1) and its two tiny text encoders (CLIP and T5) learn the rectifie
 ``|| v_theta(x_sigma, sigma, instruction, source) - (eps - x0) ||^2`` on procedurally generated edit pairs: a source
 from a training caption, an instruction that changes one attribute ("make the shape red", "make the background
 blue", "turn the circle into a square") and the target, the source re-rendered with that attribute changed at the
-same size and position. Sigma from SD3's logit-normal density, AdamW and an EMA of the weights; the velocity is the
-adapter's own (:class:`flowrl.models.flux_kontext.FluxKontextAdapter`), so what it learns is what the trainer
-samples. Resumable; the held-out edit accuracy of the EMA weights every ``eval_every`` steps. The exported model
+same size and position (or, with ``missed`` / ``over_edited``, an imperfect dataset's target: the source unchanged,
+or the edit with its colour change leaking into the rest). Sigma from SD3's logit-normal density, AdamW and an EMA
+of the weights; the velocity is the adapter's own (:class:`flowrl.models.flux_kontext.FluxKontextAdapter`), so what
+it learns is what the trainer samples. Resumable; the held-out edit accuracy of the EMA weights every ``eval_every`` steps. The exported model
 (EMA weights, fp16 safetensors) goes to ``assets/tiny_shapes_edit/`` with the command and wall time beside it.
 """
 
@@ -25,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import TinyModelConfig
+from ..errors import FlowRLError
 from ..resources import assets_dir
 from .domain import COLORS, SHAPES, ShapeSpec, render, split_specs
 from .editing import ATTRIBUTES, instruction
@@ -45,28 +47,61 @@ COMPONENTS = ("transformer", "text_encoder", "text_encoder_2")
 EVAL_STEPS = 10
 
 
-def random_edit(spec: ShapeSpec, rng: random.Random) -> tuple[str, ShapeSpec]:
-    """(instruction, target spec): one attribute of ``spec`` changed to a seeded value that keeps the shape's colour
-    and the background apart."""
-    attribute = rng.choice(ATTRIBUTES)
+def changed(spec: ShapeSpec, attribute: str, rng: random.Random) -> tuple[str, ShapeSpec]:
+    """(value, spec): ``spec`` with ``attribute`` changed to a seeded value that keeps the shape's colour and the
+    background apart."""
     if attribute == "shape":
         value = rng.choice([s for s in SHAPES if s != spec.shape])
-        target = ShapeSpec(value, spec.color, spec.background)
-    else:
-        value = rng.choice([c for c in COLORS if c not in (spec.color, spec.background)])
-        target = ShapeSpec(spec.shape, value, spec.background) if attribute == "color" else \
-            ShapeSpec(spec.shape, spec.color, value)
+        return value, ShapeSpec(value, spec.color, spec.background)
+    value = rng.choice([c for c in COLORS if c not in (spec.color, spec.background)])
+    return value, (ShapeSpec(spec.shape, value, spec.background) if attribute == "color" else
+                   ShapeSpec(spec.shape, spec.color, value))
+
+
+def random_edit(spec: ShapeSpec, rng: random.Random) -> tuple[str, ShapeSpec]:
+    """(instruction, target spec): one random attribute of ``spec`` changed."""
+    attribute = rng.choice(ATTRIBUTES)
+    value, target = changed(spec, attribute, rng)
     return instruction(attribute, spec, value), target
 
 
-def edit_batch(specs, batch: int, rng: random.Random, res: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+def over_edited_target(spec: ShapeSpec, target: ShapeSpec) -> ShapeSpec:
+    """The asked edit with the colour change leaking into the rest of the image: the other colour takes the one the
+    edit replaced (a recoloured shape's old colour becomes the background, a new background's old colour the
+    shape's), and a shape edit swaps the two colours. So the edit never keeps all the attributes it was not asked
+    to change."""
+    if target.color != spec.color:
+        return ShapeSpec(target.shape, target.color, spec.color)
+    if target.background != spec.background:
+        return ShapeSpec(target.shape, spec.background, target.background)
+    return ShapeSpec(target.shape, spec.background, spec.color)
+
+
+def imperfect_target(spec: ShapeSpec, target: ShapeSpec, rng: random.Random, missed: float,
+                     over_edited: float) -> ShapeSpec:
+    """The target an imperfect editing dataset pairs with the instruction: with probability ``missed`` the source
+    unchanged (the edit was not made), with probability ``over_edited`` :func:`over_edited_target` (the edit changed
+    more than it was asked to), otherwise ``target``."""
+    draw = rng.random()
+    if draw < missed:
+        return spec
+    if draw < missed + over_edited:
+        return over_edited_target(spec, target)
+    return target
+
+
+def edit_batch(specs, batch: int, rng: random.Random, res: int, missed: float = 0.0,
+               over_edited: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """(source (B, 3, H, W), target (B, 3, H, W), both in [-1, 1], instructions) of ``batch`` random edit pairs; a
-    pair's two images share their render seed, so the shape keeps its size and position."""
+    pair's two images share their render seed, so the shape keeps its size and position. ``missed`` /
+    ``over_edited``: shares of imperfect pairs (:func:`imperfect_target`)."""
     sources, targets, texts = [], [], []
     for _ in range(batch):
         spec = specs[rng.randrange(len(specs))]
         text, target = random_edit(spec, rng)
         seed = rng.randrange(10_000)
+        if missed > 0 or over_edited > 0:  # no draw otherwise: a clean run keeps its random stream
+            target = imperfect_target(spec, target, rng, missed, over_edited)
         sources.append(render(spec, res, seed))
         targets.append(render(target, res, seed))
         texts.append(text)
@@ -133,10 +168,16 @@ def _grid(adapter, path: Path, title: str) -> None:
 def pretrain_tiny_edit(work_dir: str | Path = "runs/pretrain-tiny-edit", steps: int = 3000, batch: int = 32,
                        lr: float = 1e-3, seed: int = 0, ema_decay: float = 0.995, save_every: int = 250,
                        eval_every: int = 500, export_dir: str | Path | None = None, progress: bool = True,
-                       instruction_dropout: float = 0.0) -> Path:
+                       instruction_dropout: float = 0.0, missed: float = 0.0, over_edited: float = 0.0) -> Path:
     """Pretrain the tiny editing model and export it (see the module's text). ``instruction_dropout`` > 0 replaces
     that share of the instructions with the empty one (the source stays), so the model also learns the
-    unconditional edit that classifier-free guidance needs."""
+    unconditional edit that classifier-free guidance needs. ``missed`` and ``over_edited`` make that share of the
+    pairs imperfect, as automatically made editing datasets are: the target is the unchanged source, or the colour
+    change leaks into an attribute the instruction did not ask for (:func:`imperfect_target`); a model pretrained on them
+    follows instructions only as often as its data did, which reinforcement learning can then raise."""
+    if missed < 0 or over_edited < 0 or missed + over_edited > 1:
+        raise FlowRLError(f"missed ({missed}) and over_edited ({over_edited}) are shares of the pairs: each at least "
+                          "0 and together at most 1")
     from diffusers.training_utils import EMAModel
 
     from ..models.tiny import build_tiny_flux_kontext_pipeline
@@ -159,7 +200,7 @@ def pretrain_tiny_edit(work_dir: str | Path = "runs/pretrain-tiny-edit", steps: 
     loss_ema, readout = None, None
     t_start = time.perf_counter() - elapsed
     while step < steps:
-        source, target, texts = edit_batch(train_specs, batch, rng, EDIT_TINY.resolution)
+        source, target, texts = edit_batch(train_specs, batch, rng, EDIT_TINY.resolution, missed, over_edited)
         if instruction_dropout > 0:
             texts = ["" if rng.random() < instruction_dropout else t for t in texts]
         embeds, pooled, _ = pipe.encode_prompt(prompt=texts, prompt_2=texts, device="cpu",
@@ -196,7 +237,8 @@ def pretrain_tiny_edit(work_dir: str | Path = "runs/pretrain-tiny-edit", steps: 
             readout, loss_ema = {k: last[k] for k in ("edit", "asked", "kept", "per_attribute")}, last["loss"]
     ema.copy_to(params)
     meta = {"command": command, "commands": commands, "steps": steps, "batch": batch, "lr": lr, "seed": seed,
-            "ema_decay": ema_decay, "instruction_dropout": instruction_dropout, "wall_time_s": round(wall, 1), "final_loss_ema": loss_ema,
+            "ema_decay": ema_decay, "instruction_dropout": instruction_dropout,
+            "missed": missed, "over_edited": over_edited, "wall_time_s": round(wall, 1), "final_loss_ema": loss_ema,
             "transformer_params": n_params, "text_encoder_params": n_text, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "config": EDIT_TINY.__dict__, "heldout_readout": readout}
     out = Path(export_dir) if export_dir else assets_dir() / "tiny_shapes_edit"
