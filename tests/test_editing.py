@@ -216,12 +216,11 @@ def test_edit_pairs_keep_the_shape_in_place():
     assert shape_edits and colour_edits
 
 
-
 def test_imperfect_edit_pairs_miss_or_over_edit_in_their_shares():
     """An imperfect editing dataset's pairs, by hand and read by the checker: ``missed`` pairs show the source
     unchanged, ``over_edited`` pairs the asked change plus the replaced colour leaking into the other colour (a shape
-    edit's two colours swap); the shares match the draw
-    within 3 standard errors; no draw is made (the clean stream is kept) when both shares are 0."""
+    edit's two colours swap); the shares match the draw within 3 standard errors; no draw is made (the clean stream
+    is kept) when both shares are 0."""
     import random
 
     from flowrl.shapes.domain import ShapeSpec, split_specs
@@ -262,6 +261,7 @@ def test_imperfect_edit_pairs_miss_or_over_edit_in_their_shares():
             outcome["over"] += 1
     se = (0.25 * 0.75 / n) ** 0.5
     assert abs(outcome["missed"] / n - 0.25) < 3 * se and abs(outcome["over"] / n - 0.25) < 3 * se
+
 
 def test_a_pixel_space_kontext_model_reads_its_source_as_pixels(tmp_path):
     """The tiny editing model's layout: no VAE, the source's pixels (in [-1, 1]) are its reference tokens, and an

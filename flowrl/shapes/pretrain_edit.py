@@ -9,8 +9,9 @@ blue", "turn the circle into a square") and the target, the source re-rendered w
 same size and position (or, with ``missed`` / ``over_edited``, an imperfect dataset's target: the source unchanged,
 or the edit with its colour change leaking into the rest). Sigma from SD3's logit-normal density, AdamW and an EMA
 of the weights; the velocity is the adapter's own (:class:`flowrl.models.flux_kontext.FluxKontextAdapter`), so what
-it learns is what the trainer samples. Resumable; the held-out edit accuracy of the EMA weights every ``eval_every`` steps. The exported model
-(EMA weights, fp16 safetensors) goes to ``assets/tiny_shapes_edit/`` with the command and wall time beside it.
+it learns is what the trainer samples. Resumable; the held-out edit accuracy of the EMA weights every
+``eval_every`` steps. The exported model (EMA weights, fp16 safetensors) goes to ``assets/tiny_shapes_edit/`` with
+the command and wall time beside it.
 """
 
 from __future__ import annotations
@@ -173,8 +174,8 @@ def pretrain_tiny_edit(work_dir: str | Path = "runs/pretrain-tiny-edit", steps: 
     that share of the instructions with the empty one (the source stays), so the model also learns the
     unconditional edit that classifier-free guidance needs. ``missed`` and ``over_edited`` make that share of the
     pairs imperfect, as automatically made editing datasets are: the target is the unchanged source, or the colour
-    change leaks into an attribute the instruction did not ask for (:func:`imperfect_target`); a model pretrained on them
-    follows instructions only as often as its data did, which reinforcement learning can then raise."""
+    change leaks into an attribute the instruction did not ask for (:func:`imperfect_target`). A model pretrained
+    on them follows instructions only as often as its data did, which reinforcement learning can then raise."""
     if missed < 0 or over_edited < 0 or missed + over_edited > 1:
         raise FlowRLError(f"missed ({missed}) and over_edited ({over_edited}) are shares of the pairs: each at least "
                           "0 and together at most 1")
