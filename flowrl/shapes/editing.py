@@ -65,12 +65,20 @@ def edit_requests(specs: list[ShapeSpec], per_source: int, seed: int) -> list[Ed
         render_seed = rng.randrange(10_000)
         key = f"shapes:{spec.prompt}#{render_seed}"
         for attribute in rng.sample(ATTRIBUTES, per_source):
-            if attribute == "shape":
-                value = rng.choice([s for s in SHAPES if s != spec.shape])
-            else:
-                value = rng.choice([c for c in COLORS if c not in (spec.color, spec.background)])
+            value, _ = changed(spec, attribute, rng)
             out.append(EditPrompt(instruction(attribute, spec, value), [key]))
     return out
+
+
+def changed(spec: ShapeSpec, attribute: str, rng: random.Random) -> tuple[str, ShapeSpec]:
+    """(value, spec): ``spec`` with ``attribute`` changed to a seeded value that keeps the shape's colour and the
+    background apart (one draw from ``rng``)."""
+    if attribute == "shape":
+        value = rng.choice([s for s in SHAPES if s != spec.shape])
+        return value, ShapeSpec(value, spec.color, spec.background)
+    value = rng.choice([c for c in COLORS if c not in (spec.color, spec.background)])
+    return value, (ShapeSpec(spec.shape, value, spec.background) if attribute == "color" else
+                   ShapeSpec(spec.shape, spec.color, value))
 
 
 def train_edit_prompts() -> list[EditPrompt]:

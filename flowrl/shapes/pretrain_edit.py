@@ -29,8 +29,8 @@ from tqdm.auto import tqdm
 from ..config import TinyModelConfig
 from ..errors import FlowRLError
 from ..resources import assets_dir
-from .domain import COLORS, SHAPES, ShapeSpec, render, split_specs
-from .editing import ATTRIBUTES, instruction
+from .domain import ShapeSpec, render, split_specs
+from .editing import ATTRIBUTES, changed, instruction
 from .pretrain import (
     _save_state,
     export_model,
@@ -46,17 +46,6 @@ EDIT_TINY = TinyModelConfig(resolution=16, vae=False, num_layers=2, num_attentio
                             text_hidden=32, text_layers=2, max_tokens=16, shift=1.0, init_seed=0)
 COMPONENTS = ("transformer", "text_encoder", "text_encoder_2")
 EVAL_STEPS = 10
-
-
-def changed(spec: ShapeSpec, attribute: str, rng: random.Random) -> tuple[str, ShapeSpec]:
-    """(value, spec): ``spec`` with ``attribute`` changed to a seeded value that keeps the shape's colour and the
-    background apart."""
-    if attribute == "shape":
-        value = rng.choice([s for s in SHAPES if s != spec.shape])
-        return value, ShapeSpec(value, spec.color, spec.background)
-    value = rng.choice([c for c in COLORS if c not in (spec.color, spec.background)])
-    return value, (ShapeSpec(spec.shape, value, spec.background) if attribute == "color" else
-                   ShapeSpec(spec.shape, spec.color, value))
 
 
 def random_edit(spec: ShapeSpec, rng: random.Random) -> tuple[str, ShapeSpec]:
