@@ -19,6 +19,36 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return value
+
+
+def seed(text: str) -> int:
+    """A run's seed: a whole number in 0..2^32 - 1 (seeds of later draws are derived from it within 64 bits)."""
+    value = _number(text)
+    if not 0 <= value <= 2 ** 32 - 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a seed: give a whole number in 0..{2 ** 32 - 1}")
+    return value
+
+
+def non_negative_number(text: str) -> float:
+    value = _number(text, float)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number, 0 or more")
+    return value
+
+
+def share(text: str) -> float:
+    """A share: a number in [0, 1]."""
+    value = _number(text, float)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} must lie between 0 and 1")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port: 0 (any free one) to 65535."""
     value = _number(text)

@@ -11,10 +11,13 @@ pyproject.toml: ``my_method = "my_package.methods:MyMethod"``), found by name wi
 
 from __future__ import annotations
 
+import contextvars
 import difflib
 import importlib
 import os
 import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigError
@@ -69,15 +72,19 @@ class Registry(dict):
             raise self.error(f"{self.what}: unknown name {name!r}{hint} (known: {', '.join(self.names())}; or give "
                              "module:attribute)")
         if isinstance(entry, str):
-            entry = self._import(entry)
+            if entry == name and ":" in name:  # a plug-in named by the config itself, not a built-in entry
+                search_here = _check_untrusted(self.what, name)
+                entry = self._import(entry, search_here)
+            else:
+                entry = self._import(entry)
             if ":" not in name:  # a built-in or installed name imports once; module:attribute is not kept
                 self[name] = entry
         return entry
 
-    def _import(self, path: str):
+    def _import(self, path: str, search_here: bool = True):
         module, _, attr = path.partition(":")
         try:
-            obj = import_plugin(module)
+            obj = import_plugin(module) if search_here else importlib.import_module(module)
         except ImportError as exc:
             raise self.error(f"{self.what}: cannot import module {module!r} ({exc})") from exc
         if attr and not hasattr(obj, attr):
@@ -137,7 +144,8 @@ MODEL_NAMES = Registry("model.pretrained", {
 
 def import_plugin(module: str):
     """``importlib.import_module``, with the current folder searched last, as ``python -m`` searches it: a
-    ``my_rewards.py`` beside the shell resolves as ``my_rewards`` from the ``flowrl`` command too."""
+    ``my_rewards.py`` beside the shell resolves as ``my_rewards`` from the ``flowrl`` command too. The folder is on
+    the import path only for this import (``sys.path`` is left as it was)."""
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
@@ -145,7 +153,48 @@ def import_plugin(module: str):
         if exc.name != module.split(".")[0] or here in sys.path or "" in sys.path:
             raise
         sys.path.append(here)
-        return importlib.import_module(module)
+        try:
+            return importlib.import_module(module)
+        finally:
+            if here in sys.path:
+                sys.path.remove(here)
+
+
+@dataclass(frozen=True)
+class UntrustedNames:
+    """Where the names being resolved come from when that is not the user: a run folder someone may have sent.
+
+    ``module:attribute`` names imported from such a config would run its code, so they are refused unless the
+    user typed them (``typed``: the command line's own words) or allowed them explicitly (``allow``; even then
+    the current folder is not searched for them)."""
+
+    source: str
+    typed: tuple[str, ...] = ()
+    allow: bool = False
+
+    def typed_by_user(self, name: str) -> bool:
+        return any(name in word for word in self.typed)
+
+
+_UNTRUSTED: contextvars.ContextVar[UntrustedNames | None] = contextvars.ContextVar("flowrl_untrusted_names",
+                                                                                   default=None)
+
+
+def names_come_from(source: str, typed: Iterable[str] = (), allow: bool = False) -> None:
+    """From here on in this context (a CLI call runs in its own), ``module:attribute`` names come from ``source``,
+    a saved run's config: they are imported only if they appear in ``typed`` (the command line) or ``allow``."""
+    _UNTRUSTED.set(UntrustedNames(str(source), tuple(typed), allow))
+
+
+def _check_untrusted(what: str, name: str) -> bool:
+    """Refuse a plug-in name that a run folder's config gave; True when the current folder may be searched."""
+    gate = _UNTRUSTED.get()
+    if gate is None or gate.typed_by_user(name):
+        return True
+    if gate.allow:
+        return False  # the user allowed the run's plug-ins: imported from the installed packages and PYTHONPATH only
+    raise ConfigError(f"{what}: {name!r} comes from {gate.source}, and flowrl does not run code named by a saved "
+                      f"run; name it yourself on the command line or add --allow-plugins if you trust that run")
 
 
 def algorithm_class(name: str):

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import contextvars
 import os
 import sys
 
@@ -77,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [args.config] + list(args.overrides)
         args.config = None
     try:
-        return args.func(args)
+        # each call in its own context: what one command learns of its inputs (names from a saved run's config that
+        # must not be imported) does not outlive it
+        return contextvars.copy_context().run(args.func, args)
     except FlowRLError as exc:
         kind = "stopped" if getattr(exc, "exit_code", 2) != 2 else "error"
         launched_rank = int(os.environ.get("RANK", "0") or 0) if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else 0

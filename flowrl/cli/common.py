@@ -48,7 +48,36 @@ def checkpoint_and_config(args, default_config: Path | None = None):
             raise FlowRLError("--iteration needs --checkpoint RUN_DIR")
         return None, load_config(args.config or default_config, args.overrides)
     ckpt = find_checkpoint(args.checkpoint, getattr(args, "iteration", None))
-    return ckpt, load_config(args.config or ckpt.parent.parent / "config.yaml", args.overrides)
+    return ckpt, load_run_config(args, ckpt)
+
+
+ALLOW_PLUGINS_HELP = ("import the module:attribute plug-ins a run's saved config names (its rewards, evaluator, "
+                      "family...); without it they are refused, since reading a run someone sent you must not run "
+                      "its code")
+
+
+def load_run_config(args, ckpt: Path):
+    """The config for a checkpoint: the user's CONFIG when given, else the run's own ``config.yaml``, whose
+    ``module:attribute`` names are not imported for the rest of this command unless the user typed them too or
+    passed ``--allow-plugins`` (see :func:`flowrl.registry.names_come_from`)."""
+    from ..config import load_config
+    from ..registry import names_come_from
+
+    if args.config:
+        return load_config(args.config, args.overrides)
+    saved = Path(ckpt).parent.parent / "config.yaml"
+    names_come_from(saved, typed_words(args), getattr(args, "allow_plugins", False))
+    return load_config(saved, args.overrides)
+
+
+def typed_words(args) -> list[str]:
+    """Every word the user gave this command (option values and overrides)."""
+    words = []
+    for value in vars(args).values():
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, str):
+                words.append(item)
+    return words
 
 
 def config_evaluator(cfg):

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ..cli_types import positive_int
 from ..errors import FlowRLError
-from .common import (DEFAULT_PRESET, checkpoint_and_config, config_evaluator, finite_json, parse_seeds,
+from .common import (ALLOW_PLUGINS_HELP, DEFAULT_PRESET, checkpoint_and_config, config_evaluator, finite_json,
+                     load_run_config, parse_seeds,
                      split_name)
 
 
@@ -151,7 +152,7 @@ def _eval_compare(args) -> int:
     for name in args.compare:
         ckpt = None if name == "base" else find_checkpoint(name, None)
         source = ckpt or base_ckpt
-        cfg = load_config(args.config or source.parent.parent / "config.yaml", args.overrides)
+        cfg = load_run_config(args, source)
         label = "base" if ckpt is None else Path(name).name
         rank = lora_rank(ckpt) if ckpt is not None else None
         if rank is not None and rank != cfg.train.lora.rank:  # known from the file's header: before any sampling
@@ -209,6 +210,7 @@ def add_parsers(sub) -> None:
     e.add_argument("config", nargs="?")
     e.add_argument("overrides", nargs="*")
     e.add_argument("--checkpoint", help="checkpoint folder or run directory (LoRA or full fine-tuning)")
+    e.add_argument("--allow-plugins", action="store_true", help=ALLOW_PLUGINS_HELP)
     e.add_argument("--iteration", type=int, help="with a run directory: the checkpoint saved after this iteration")
     e.add_argument("--split", default="heldout",
                    help="heldout or train: the captions the config's evaluator (log.eval) holds out or trains on; or "

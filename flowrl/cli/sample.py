@@ -9,7 +9,7 @@ from pathlib import Path
 from ..editing import check_prompts_fit, prepend_sources
 from ..errors import FlowRLError
 from ..registry import adapter_class
-from .common import checkpoint_and_config, parse_seeds
+from .common import ALLOW_PLUGINS_HELP, checkpoint_and_config, parse_seeds
 
 
 def cmd_sample(args) -> int:
@@ -115,6 +115,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--checkpoint", help="checkpoint folder or run directory (the weights it ended with: "
                    "checkpoints/best when the run restored them, else its latest; LoRA or full fine-tuning)")
     s.add_argument("--iteration", type=int, help="with a run directory: the checkpoint saved after this iteration")
+    s.add_argument("--allow-plugins", action="store_true", help=ALLOW_PLUGINS_HELP)
     s.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     s.add_argument("--prompt", action="append", help="prompt (repeatable); default: the config's sample prompts")
     s.add_argument("--source", action="append", help="an editing model's source image (repeatable: one for every "
@@ -128,4 +129,5 @@ def add_parsers(sub) -> None:
     x.add_argument("checkpoint", help="run directory (its final weights) or checkpoint folder")
     x.add_argument("--iteration", type=int, help="with a run directory: the checkpoint saved after this iteration")
     x.add_argument("--out", required=True, help="a new folder")
+    x.add_argument("--allow-plugins", action="store_true", help=ALLOW_PLUGINS_HELP)
     x.set_defaults(func=cmd_export)

@@ -50,19 +50,72 @@ def _trainable(pipe):
     return [p for name in COMPONENTS for p in getattr(pipe, name).parameters()]
 
 
+# what an exported tiny model folder may hold: its components, the scheduler, the record and the model card. A
+# folder holding anything else is not an earlier export, and is never replaced.
+EXPORT_FILES = {"pretrain.json", "MODEL_CARD.md", "model_index.json", "scheduler", "open_clip_config.json",
+                "open_clip_model.safetensors", "transformer", "transformer_2", "text_encoder", "text_encoder_2"}
+EXPORT_MARKERS = ("pretrain.json", "open_clip_config.json")
+STATE_FILES = {"progress.json", "state.pt", *(f"{name}.safetensors" for name in
+                                               ("transformer", "transformer_2", "text_encoder", "text_encoder_2"))}
+
+
+def check_replaceable(path: Path, flag: str, allowed: set[str] = EXPORT_FILES,
+                      markers: tuple[str, ...] = EXPORT_MARKERS) -> None:
+    """One line unless ``path`` is new, or a folder this command wrote before (it holds one of ``markers`` and
+    nothing outside ``allowed``): the only folders a pretraining command replaces. Checked before any work."""
+    from ..errors import FlowRLError
+
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        parent = next((p for p in path.absolute().parents if p.exists()), None)
+        if parent is not None and not (parent.is_dir() and os.access(parent, os.W_OK)):
+            raise FlowRLError(f"{flag} {path}: cannot create it under {parent}; choose a writable location")
+        return
+    if path.is_symlink() or not path.is_dir():
+        raise FlowRLError(f"{flag} {path}: exists and is not a folder; choose a new folder")
+    entries = {p.name for p in path.iterdir()}
+    foreign = sorted(entries - allowed)
+    if entries and (foreign or not any(m in entries for m in markers)):
+        shown = ", ".join(foreign[:3] or sorted(entries)[:3])
+        raise FlowRLError(f"{flag} {path}: exists and is not an earlier export of this command (it holds {shown}); "
+                          "choose a new folder (flowrl replaces only the folders it wrote)")
+
+
+def fresh_sibling(path: Path) -> Path:
+    """A new, empty folder beside ``path`` to write into before one rename; never a folder that was there."""
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+
+
+def replace_folder(tmp: Path, path: Path, flag: str, allowed: set[str] = EXPORT_FILES,
+                   markers: tuple[str, ...] = EXPORT_MARKERS) -> None:
+    """Move the finished ``tmp`` to ``path``, replacing it only if it is still a folder this command wrote."""
+    try:
+        check_replaceable(path, flag, allowed, markers)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if path.exists():
+        old = path.with_name(tmp.name + ".old")
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+
+
 def _save_state(path: Path, pipe, optimizer, ema, step: int, elapsed: float, commands: list[str],
                 components: tuple[str, ...] = COMPONENTS) -> None:
     from safetensors.torch import save_model
 
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = fresh_sibling(path)
     for name in components:
         save_model(getattr(pipe, name), str(tmp / f"{name}.safetensors"))  # tied weights (UMT5's) stored once
     torch.save({"optimizer": optimizer.state_dict(), "ema": ema.state_dict()}, tmp / "state.pt")
     (tmp / "progress.json").write_text(json.dumps({"step": step, "elapsed_s": elapsed, "commands": commands}))
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+    replace_folder(tmp, path, "--work-dir", STATE_FILES, ("progress.json",))
 
 
 def _load_state(path: Path, pipe, optimizer, ema, components: tuple[str, ...] = COMPONENTS) -> tuple[int, float, list[str]]:
@@ -81,9 +134,7 @@ def export_model(pipe, out_dir: Path, meta: dict, components: tuple[str, ...] = 
                  keep: tuple[str, ...] = ("MODEL_CARD.md",)) -> Path:
     """Write the trained components as fp16 safetensors + configs (tokenizers are rebuilt offline); files named in
     ``keep`` (the model card) carry over from the folder being replaced."""
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = fresh_sibling(out_dir)
     for name in keep:
         if (out_dir / name).is_file():
             shutil.copy2(out_dir / name, tmp / name)
@@ -95,8 +146,7 @@ def export_model(pipe, out_dir: Path, meta: dict, components: tuple[str, ...] = 
     if pipe.config.get("boundary_ratio") is not None:  # a two-expert (Wan 2.2) pipeline: its boundary with it
         (tmp / "model_index.json").write_text(json.dumps({"boundary_ratio": pipe.config["boundary_ratio"]}))
     (tmp / "pretrain.json").write_text(json.dumps(meta, indent=1))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    replace_folder(tmp, out_dir, "--export-dir")
     return out_dir
 
 
@@ -119,6 +169,7 @@ def start_or_resume(work_dir: Path, pipe, optimizer, ema, components: tuple[str,
     """
     step, elapsed, commands = 0, 0.0, []
     state_dir = work_dir / "state"
+    check_replaceable(state_dir, "--work-dir", STATE_FILES, ("progress.json",))
     if (state_dir / "progress.json").is_file():
         step, elapsed, commands = _load_state(state_dir, pipe, optimizer, ema, components)
         print(f"resuming {subcommand} at step {step} ({elapsed / 60:.1f} min so far)", file=sys.stderr)
@@ -237,6 +288,8 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
     from ..report import save_grid
 
     work_dir = Path(work_dir)
+    out = Path(export_dir) if export_dir else assets_dir() / "tiny_shapes"
+    check_replaceable(out, "--export-dir")  # before any work: an export never replaces a folder it did not write
     torch.manual_seed(seed)
     pipe = build_tiny_sd3_pipeline(SHAPES_TINY, seed=seed)
     parent = _warm_start(pipe, Path(init_from)) if init_from is not None else None  # before the EMA copies them
@@ -296,7 +349,6 @@ def pretrain_tiny(work_dir: str | Path = "runs/pretrain-tiny", steps: int = 4000
             "threads": torch.get_num_threads(), "config": SHAPES_TINY.__dict__, "heldout_readout": readout}
     if init_from is not None:  # the steps above continue the parent's: its settings and time travel with the export
         meta.update({"init_from": str(init_from), "parent": parent})
-    out = Path(export_dir) if export_dir else assets_dir() / "tiny_shapes"
     export_model(pipe, out, meta)
     print(json.dumps({"exported": str(out), "wall_time_min": round(wall / 60, 1), "loss": loss_ema}))
     return out

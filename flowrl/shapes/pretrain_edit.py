@@ -33,6 +33,7 @@ from .domain import ShapeSpec, render, split_specs
 from .editing import ATTRIBUTES, changed, instruction
 from .pretrain import (
     _save_state,
+    check_replaceable,
     export_model,
     invoked_command,
     log_progress,
@@ -173,6 +174,8 @@ def pretrain_tiny_edit(work_dir: str | Path = "runs/pretrain-tiny-edit", steps: 
     from ..models.tiny import build_tiny_flux_kontext_pipeline
 
     work_dir = Path(work_dir)
+    out = Path(export_dir) if export_dir else assets_dir() / "tiny_shapes_edit"
+    check_replaceable(out, "--export-dir")  # before any work: an export never replaces a folder it did not write
     torch.manual_seed(seed)
     pipe = build_tiny_flux_kontext_pipeline(EDIT_TINY, seed=seed, pixel_space=True)
     adapter = _adapter(pipe)
@@ -231,7 +234,6 @@ def pretrain_tiny_edit(work_dir: str | Path = "runs/pretrain-tiny-edit", steps: 
             "missed": missed, "over_edited": over_edited, "wall_time_s": round(wall, 1), "final_loss_ema": loss_ema,
             "transformer_params": n_params, "text_encoder_params": n_text, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "config": EDIT_TINY.__dict__, "heldout_readout": readout}
-    out = Path(export_dir) if export_dir else assets_dir() / "tiny_shapes_edit"
     export_model(pipe, out, meta, COMPONENTS)
     print(json.dumps({"exported": str(out), "wall_time_min": round(wall / 60, 1), "loss": loss_ema}))
     return out

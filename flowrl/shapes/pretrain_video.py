@@ -24,6 +24,7 @@ from ..resources import assets_dir
 from .moving import FRAMES, RESOLUTION, heldout_prompts, render_video, split_specs
 from .pretrain import (
     _save_state,
+    check_replaceable,
     export_model,
     invoked_command,
     log_progress,
@@ -143,6 +144,8 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
     from .video_model import MOVING_SHAPES_TINY, build_tiny_moving_shapes_pipeline, load_tiny_moving_shapes_pipeline
 
     work_dir = Path(work_dir)
+    out = Path(export_dir) if export_dir else assets_dir() / "tiny_moving_shapes"
+    check_replaceable(out, "--export-dir")  # before any work: an export never replaces a folder it did not write
     torch.manual_seed(seed)
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -223,7 +226,6 @@ def pretrain_tiny_video(work_dir: str | Path = "runs/pretrain-tiny-video", steps
             "config": {**MOVING_SHAPES_TINY, "patch_size": tuple(pipe.transformer.config.patch_size),
                        "resolution": RESOLUTION, "num_frames": FRAMES},
             "heldout_readout": readout}
-    out = Path(export_dir) if export_dir else assets_dir() / "tiny_moving_shapes"
     if high is not None:
         export_model(_two_experts(high, pipe, boundary), out, meta, ("transformer", "transformer_2", "text_encoder"))
     else:

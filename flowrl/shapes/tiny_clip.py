@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .domain import all_specs, render, split_specs
-from .pretrain import shapes_batch
+from .pretrain import check_replaceable, fresh_sibling, replace_folder, shapes_batch
 
 
 @torch.no_grad()
@@ -45,6 +45,8 @@ def pretrain_tiny_clip(steps: int = 1500, batch: int = 64, lr: float = 1e-3, see
 
     from ..rewards.clip import TINY_CLIP_DIR, build_open_clip, preprocess, tiny_clip_config
 
+    out = Path(export_dir) if export_dir else TINY_CLIP_DIR
+    check_replaceable(out, "--export-dir")  # before any work: an export never replaces a folder it did not write
     torch.manual_seed(seed)
     config = tiny_clip_config()
     model = build_open_clip(config)
@@ -74,10 +76,7 @@ def pretrain_tiny_clip(steps: int = 1500, batch: int = 64, lr: float = 1e-3, see
         bar.set_postfix(loss=f"{float(loss):.3f}")
     wall = time.perf_counter() - t0
     scores = retrieval_accuracy(model, tokenizer)
-    out = Path(export_dir) if export_dir else TINY_CLIP_DIR
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = fresh_sibling(out)
     save_file({k: v.detach().half().contiguous() for k, v in model.state_dict().items()},
               str(tmp / "open_clip_model.safetensors"))
     meta = {"model_cfg": config, "preprocess_cfg": {"mean": [0.48145466, 0.4578275, 0.40821073],
@@ -86,6 +85,5 @@ def pretrain_tiny_clip(steps: int = 1500, batch: int = 64, lr: float = 1e-3, see
                          "wall_time_s": round(wall, 1), "final_loss": float(loss),
                          "params": sum(p.numel() for p in model.parameters()), **scores}}
     (tmp / "open_clip_config.json").write_text(json.dumps(meta, indent=1))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    replace_folder(tmp, out, "--export-dir")
     return {"exported": str(out), "wall_time_min": round(wall / 60, 1), **scores}
