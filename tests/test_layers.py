@@ -19,7 +19,7 @@ SOURCES = {"flowrl": ROOT / "flowrl", "flowrl.rewards": ROOT / "rewards", "flowr
 LAYERS = [
     ("cli", ["flowrl.cli", "flowrl.cli.*", "flowrl.__main__"]),
     ("shapes demo (leaf)", ["flowrl.shapes", "flowrl.shapes.*"]),
-    ("eval / bench", ["flowrl.evaluate", "flowrl.bench", "flowrl.gpu_bench", "flowrl.gpu_check"]),
+    ("eval / bench", ["flowrl.evaluate", "flowrl.bench", "flowrl.gpu_bench", "flowrl.gpu_check", "flowrl.credit"]),
     ("train", ["flowrl.trainer", "flowrl.callbacks", "flowrl.optimise", "flowrl.rollout_runner", "flowrl.policy",
                "flowrl.checkpoint", "flowrl.sharded_checkpoint", "flowrl.rundir", "flowrl.distributed",
                "flowrl.sharding", "flowrl.throughput", "flowrl.memory", "flowrl.stop_signal",

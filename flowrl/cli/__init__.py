@@ -12,11 +12,11 @@ import sys
 from ..cli_types import Parser
 from ..errors import ConfigError, FlowRLError
 from ..registry import COMMANDS
-from . import bench, evaluate, runs, sample, serve, train
+from . import bench, credit, evaluate, runs, sample, serve, train
 from .common import finite_json, parse_seeds, torch_cuda_available  # noqa: F401 (the package's helpers, re-exported)
 
 # the subcommands in the order --help lists them; each group adds its own
-GROUPS = (train, sample, runs, bench, evaluate, serve)
+GROUPS = (train, sample, runs, credit, bench, evaluate, serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
