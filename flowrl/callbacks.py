@@ -11,6 +11,8 @@ like ``load_best_model_at_end``). A callback reads what it needs from the traine
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
 import time
 
@@ -104,6 +106,23 @@ class NoSignalStop(Callback):
         return None
 
 
+class BudgetStop(Callback):
+    """``train.budget_evaluations`` / ``train.budget_seconds``: the run ends after the iteration that reaches its
+    budget (``evaluations_cum``, ``seconds_cum``), with its checkpoint and final evaluation as at its last
+    iteration, so methods are compared at equal compute."""
+
+    def __init__(self, evaluations: int, seconds: float):
+        self.evaluations, self.seconds = evaluations, seconds
+
+    def on_iteration_end(self, trainer, it, row):
+        if self.evaluations and row.get("evaluations_cum", 0) >= self.evaluations:
+            return (f"budget reached: {row['evaluations_cum']:,} transformer evaluations of "
+                    f"{self.evaluations:,} after iteration {it}")
+        if self.seconds and row.get("seconds_cum", 0.0) >= self.seconds:
+            return f"budget reached: {row['seconds_cum']:.0f} s of {self.seconds:.0f} after iteration {it}"
+        return None
+
+
 class TrackerLog(Callback):
     """The numeric fields of each row to accelerate's trackers (``log.trackers``: tensorboard, wandb)."""
 
@@ -112,6 +131,36 @@ class TrackerLog(Callback):
 
     def on_train_end(self, trainer):
         trainer.accelerator.end_training()
+
+
+def read_state_file(path, what: str, check=None, main: bool = True):
+    """A state file a resumed run reads back (best.json, eval.json, guard.json): its JSON object, or None when it
+    is absent. A damaged one (not JSON, not an object, or failing ``check``) is named in one warning line, moved
+    aside to ``<name>.damaged`` by the main process (never silently replaced) and treated as absent."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        if check is not None:
+            check(data)
+        return data
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        if main:
+            aside = path.with_name(path.name + ".damaged")
+            os.replace(path, aside)
+            print(f"warning: {path} is damaged ({str(exc)[:120]}); moved to {aside.name}, {what}", file=sys.stderr)
+        return None
+
+
+def _check_best(data: dict) -> None:
+    if not isinstance(data.get("iteration"), int) or not isinstance(data.get("since"), int):
+        raise ValueError("iteration and since must be whole numbers")
+    if not isinstance(data.get("value"), (int, float)) or not math.isfinite(data["value"]):
+        raise ValueError("value must be a finite number")
+    if not isinstance(data.get("metric"), str):
+        raise ValueError("metric must be a name")
 
 
 class HeldOutMonitor(Callback):
@@ -131,8 +180,9 @@ class HeldOutMonitor(Callback):
 
     # ------------------------------------------------------------------------------------------ hooks
     def on_train_begin(self, trainer):
-        path = trainer.run_dir / "best.json"
-        self.best = json.loads(path.read_text()) if path.is_file() else None  # a resumed run's, on every process
+        # a resumed run's, on every process
+        self.best = read_state_file(trainer.run_dir / "best.json", "the best point is chosen again from the next "
+                                    "curve point", _check_best, trainer.procs.is_main)
         if trainer.start_iteration == 0:
             self.evaluate(trainer, "before")
             self.curve_point(trainer, 0)
@@ -161,15 +211,26 @@ class HeldOutMonitor(Callback):
             return result
         run_dir = trainer.run_dir
         path = run_dir / "eval.json"
-        data = json.loads(path.read_text()) if path.is_file() else {}
+        data = read_state_file(path, "and a new one is written") or {}
         data[when] = result
         data["about"] = {**getattr(self.evaluator, "about", {}), "headline": self.metric}  # what reports draw
-        report.atomic_write_bytes(path, json.dumps(data, indent=1).encode())
+        bad = sorted(k for k, v in result.items() if isinstance(v, float) and not math.isfinite(v))
+        if bad:  # written as null: strict JSON readers refuse NaN, and no later step may take it for a number
+            print(f"warning: the held-out evaluation ({when}) returned non-finite {', '.join(bad[:4])}; written as "
+                  "null in eval.json", file=sys.stderr)
+        report.atomic_write_bytes(path, json.dumps(report.finite_json(data), indent=1).encode())
         before_path = run_dir / "heldout_before.pt"
         if when == "before":
             torch.save(grid, before_path)
         elif before_path.is_file():
-            before = torch.load(before_path, weights_only=True)
+            try:
+                before = torch.load(before_path, weights_only=True)
+                if not isinstance(before, torch.Tensor) or before.shape[1:] != grid.shape[1:]:
+                    raise ValueError(f"holds {type(before).__name__} {getattr(before, 'shape', '')}, not this grid")
+            except Exception as exc:  # a cut or foreign file: the numbers stand, the picture is left out
+                print(f"warning: {before_path} is damaged ({str(exc)[:120]}); no before_after.png this time",
+                      file=sys.stderr)
+                return result
             cols = grid.shape[0] // len(labels)
             title = "held-out prompts: left before | right after" + "".join(
                 f"   {label} {data.get('before', {}).get(key, float('nan')):{fmt}} -> "
@@ -200,17 +261,28 @@ class HeldOutMonitor(Callback):
                                   f"set log.best_metric to one of {numbers}")
             raise ConfigError(f"log.best_metric: the {trainer.cfg.log.eval} evaluator has no number "
                               f"{self.metric!r}; use one of {numbers}")
-        if self.best is None or value > self.best["value"]:
+        finite = math.isfinite(value)
+        if not finite:  # never a best: the point is kept (as null) and the trained weights stay
+            print(f"warning: held-out {self.metric} is {value} at iteration {done}; not a best point, and the run "
+                  "keeps its trained weights", file=sys.stderr)
+        if not finite:
+            if self.best is not None:
+                self.best["since"] += 1
+        elif self.best is None or value > self.best["value"]:
             self.best = {"iteration": done, "metric": self.metric, "value": value, "since": 0}
             if log.keep_best:  # the weights just evaluated (EMA where enabled)
                 save_named_weights(trainer, "best", done - 1, {"best": self.best})
         else:
             self.best["since"] += 1
         best = self.best
-        self._write_best(trainer)
+        if best is not None:
+            self._write_best(trainer)
         if trainer.procs.is_main:
-            report.append_metrics(trainer.folder.curve, {"iteration": done, **trainer.work.counts, **result})
+            report.append_metrics(trainer.folder.curve,
+                                  report.finite_json({"iteration": done, **trainer.work.counts, **result}))
         name = self.metric
+        if best is None or not finite:
+            return None
         if log.early_stop_drop and best["value"] - value > log.early_stop_drop:
             return (f"stopping early at iteration {done}: held-out {name} {value:.4f} fell more than "
                     f"{log.early_stop_drop} below its best {best['value']:.4f} (iteration {best['iteration']})")
@@ -231,7 +303,10 @@ class HeldOutMonitor(Callback):
         if not (self.log.keep_best and best and ckpt.is_dir()):
             return
         last = report.read_metrics(trainer.folder.curve)[-1]
-        if last["iteration"] == best["iteration"] or last[best["metric"]] >= best["value"]:
+        value = last.get(best["metric"])
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            return  # the last point is not a number: nothing says the earlier weights beat it; the trained ones stay
+        if last["iteration"] == best["iteration"] or value >= best["value"]:
             return  # a last point that ties the best keeps the trained weights: the earlier ones do not beat it
         load_named_weights(trainer, ckpt)
         best["ended_with"] = True  # `--checkpoint RUN_DIR` (sample, eval, export) then means these weights
@@ -259,7 +334,15 @@ class RewardHackingGuard(Callback):
         if trainer.cfg.train.iterations < self.g.every:  # no check would come: nothing to measure
             return
         path = trainer.run_dir / "guard.json"
-        self.state = json.loads(path.read_text()) if path.is_file() else {}
+
+        def check(data):
+            if data.get("start") is not None and not isinstance(data["start"], dict):
+                raise ValueError("start must be an object")
+            if not isinstance(data.get("checks", []), list):
+                raise ValueError("checks must be a list")
+
+        self.state = read_state_file(path, "so the guard measures its start again, from the weights this run "
+                                     "resumes with", check, trainer.procs.is_main) or {}
         self.start = self.state.get("start")
         if self.start is None:
             self.start = self.measure(trainer)
@@ -375,4 +458,6 @@ def built_in_callbacks(cfg, evaluator) -> list[Callback]:
     (``log.trackers``) and the no-signal stop (``log.stop_without_signal``)."""
     return ([RewardHackingGuard(cfg)] if cfg.guard.enabled else []) + ([MetricsWriter()] + ([HeldOutMonitor(evaluator, cfg)] if evaluator is not None else [])
             + [RewardCurvePlot()] + ([TrackerLog()] if cfg.log.trackers else [])
-            + ([NoSignalStop(cfg.log.stop_without_signal)] if cfg.log.stop_without_signal else []))
+            + ([NoSignalStop(cfg.log.stop_without_signal)] if cfg.log.stop_without_signal else [])
+            + ([BudgetStop(cfg.train.budget_evaluations, cfg.train.budget_seconds)]
+               if cfg.train.budget_evaluations or cfg.train.budget_seconds else []))

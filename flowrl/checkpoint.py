@@ -175,7 +175,7 @@ def _ended_with_best(run_dir: Path) -> Path | None:
 
     try:
         ended = json.loads((run_dir / "best.json").read_text()).get("ended_with", False)
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):  # absent, cut or not an object: the latest checkpoint
         return None
     best = run_dir / "checkpoints" / "best"
     return best if ended and best.is_dir() and checkpoint_problem(best) is None else None

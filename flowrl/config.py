@@ -257,7 +257,12 @@ class FSDPConfig(Section):
 
 
 class TrainConfig(Section):
-    iterations: int = opt(30, "rollout + update iterations", lo=1)
+    iterations: int = opt(30, "rollout + update iterations (the most a run takes; a budget may end it sooner)", lo=1)
+    budget_evaluations: int = opt(0, "end the run once it has spent this many transformer evaluations (rollout "
+                                  "and update, every sample through a forward; 0 = no budget): methods compared at "
+                                  "equal compute", lo=0)
+    budget_seconds: float = opt(0.0, "end the run once its iterations have taken this many seconds (0 = no budget)",
+                                lo=0.0)
     prompts_per_iter: int = opt(4, "distinct prompts (groups) per iteration", lo=1)
     lr: float = opt(3e-4, "AdamW's peak learning rate (train.lr_schedule shapes it over the iterations)", lo=0.0,
                     lo_open=True)

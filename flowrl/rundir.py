@@ -6,6 +6,7 @@ model is loaded."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -61,6 +62,35 @@ class RunFolder:
                               "wrote; choose another log.run_name (nothing in that folder was touched)")
         check_writable(path, "log.output_dir")
         return folder
+
+    def lock(self) -> None:
+        """One writer per run folder: an exclusive lock on ``.<run>.lock`` beside the folder (holding the writer's
+        pid), held until :meth:`unlock` or the process ends; a second ``train`` into the same run is refused in one
+        line before it writes anything."""
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lock_path = self.path.parent / f".{self.path.name}.lock"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            other = os.read(fd, 32).decode(errors="replace").strip()
+            os.close(fd)
+            who = f" (pid {other})" if other.isdigit() else ""
+            raise ConfigError(f"log.run_name: another flowrl train{who} is writing to {self.path}; wait for it to "
+                              "end or choose another log.run_name") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        fd, self._lock_fd = getattr(self, "_lock_fd", None), None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor releases the lock
+
+    def __del__(self):
+        self.unlock()
 
     def checkpoints(self) -> list[Path]:
         return checkpoints_newest_first(self.path)[::-1]  # oldest first

@@ -54,6 +54,7 @@ class FlopMeter:
         modules = [m for m in modules if m is not None]  # absent ones (no frozen expert, no reference) skipped
         self.cache: dict[tuple, int] = {}
         self.flops: dict[str, float] = {}
+        self.rows: dict[str, int] = {}  # samples through a transformer forward, per phase (CFG's halves each count)
         self.current = None
         self._counting = None  # (key, FlopCounterMode) while a new shape's first call runs
         self._handles = []
@@ -101,6 +102,7 @@ class FlopMeter:
             self._counting = None
         else:
             key = (id(module), _shape_key(args, kwargs))
+        self.rows[self.current] = self.rows.get(self.current, 0) + _batch_rows(args, kwargs)
         forward = self.cache.get(key, 0)
         with_backward = torch.is_grad_enabled() and self._trained[id(module)]
         self.flops[self.current] = self.flops.get(self.current, 0) + forward * (3 if with_backward else 1)
@@ -109,9 +111,22 @@ class FlopMeter:
         out, self.flops = self.flops, {}
         return out
 
+    def take_rows(self) -> dict[str, int]:
+        """``{phase: transformer evaluations}`` since the last call (one sample through one forward each)."""
+        out, self.rows = self.rows, {}
+        return out
+
     def close(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def _batch_rows(args, kwargs) -> int:
+    """The batch size of a transformer call: its latent input's first dimension."""
+    first = kwargs.get("hidden_states", args[0] if args else None)
+    if not isinstance(first, torch.Tensor):
+        first = next((v for v in list(args) + list(kwargs.values()) if isinstance(v, torch.Tensor)), None)
+    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.ndim else 0
 
 
 def rates(flops: dict[str, float], seconds: dict[str, float], images: int, processes: int,
@@ -133,17 +148,20 @@ def rates(flops: dict[str, float], seconds: dict[str, float], images: int, proce
 
 
 class WorkCounts:
-    """The work a run has spent so far, in every metrics row and curve point: rollout evaluations, images scored
-    and seconds; a resumed run continues the counts of its last row."""
+    """The work a run has spent so far, in every metrics row and curve point: rollout evaluations, images scored,
+    seconds and transformer evaluations of rollout and update; a resumed run continues the counts of its last
+    row."""
 
     def __init__(self, last_row: dict | None = None):
-        self.counts = {"nfe_rollout_cum": 0, "rollouts_cum": 0, "seconds_cum": 0.0}
+        self.counts = {"nfe_rollout_cum": 0, "rollouts_cum": 0, "seconds_cum": 0.0, "evaluations_cum": 0}
         if last_row is not None:
             self.counts = {k: last_row.get(k, 0) for k in self.counts}
 
-    def add(self, nfe: int, images: int, seconds: float) -> dict:
-        """Count one iteration's work; returns the totals."""
+    def add(self, nfe: int, images: int, seconds: float, evaluations: int = 0) -> dict:
+        """Count one iteration's work (``evaluations``: transformer evaluations of rollout and update together);
+        returns the totals."""
         self.counts["nfe_rollout_cum"] += nfe
         self.counts["rollouts_cum"] += images
         self.counts["seconds_cum"] += seconds
+        self.counts["evaluations_cum"] += evaluations
         return dict(self.counts)

@@ -72,6 +72,8 @@ class Trainer:
         self.start_iteration = 0 if resume_ckpt is None else resume_start(resume_ckpt, cfg.train.iterations)
         self.folder = RunFolder(self.procs.broadcast(RunFolder.plan(cfg, config_name, run_dir, resume_ckpt).path))
         self.run_dir = self.folder.path
+        if self.procs.is_main:  # one writer per run folder, before anything in it is written
+            self.folder.lock()
         if resume_ckpt is not None and cfg.train.micro_batch == "auto":
             saved_micro_batch(self.run_dir)  # a damaged micro_batch.json: one line before a model loads
         # --- the model (sharded, only the main process reads the trained weights), the policy and what trains it
@@ -177,6 +179,7 @@ class Trainer:
         with attention_kernels(cfg.train.attention_backend):
             for callback in self.callbacks:
                 callback.on_train_end(self)
+        self.folder.unlock()
         if self._sigterm.received is not None:  # it came during the last iteration or its save: the run is whole
             raise Stopped(f"stopped by SIGTERM at the end of the run, which is complete (its last checkpoint: {ckpt})")
         return self.run_dir
@@ -218,6 +221,7 @@ class Trainer:
         algo.observe_update(train_stats)
         t3 = time.perf_counter()
         leaves = int(tree.leaf_group.numel())
+        evaluations = self.meter.take_rows()  # every sample through a transformer forward, per phase
         row.update({**scores.summary(), **adv_stats, **train_stats,
             "nfe_rollout": tree.nfe, "transformer_calls_rollout": tree.transformer_calls,
             "leaves": leaves, **{f"plan/{k}": v for k, v in plan.accounting().items()},
@@ -227,8 +231,9 @@ class Trainer:
             **rates(self.meter.take(), {"rollout": timing["seconds_rollout"], "update": t3 - t2}, leaves,
                     self.procs.processes, self.peak_tflops),
             # the curriculum's extra rollouts (AdaGRPO) count as work too
+            "evaluations_rollout": evaluations.get("rollout", 0), "evaluations_update": evaluations.get("update", 0),
             **self.work.add(tree.nfe + row.get("curriculum/nfe", 0), leaves + row.get("curriculum/images", 0),
-                            t3 - t0),
+                            t3 - t0, sum(evaluations.values())),
         })
         return row
 

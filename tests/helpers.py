@@ -136,3 +136,9 @@ class FailsOnSecondCall:
 def latent_energy(latents, sigma, prompts):
     """A latent process reward: minus the mean square of the noisy latent (its gradient is -2 x / n)."""
     return -(latents.float() ** 2).flatten(1).mean(1)
+
+
+class NaNCurve(ScriptedCurve):
+    """An evaluator whose numbers are NaN at every point (a broken metric)."""
+
+    SCRIPT = [float("nan")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import FlowRLError
+from ..report.files import finite_json  # noqa: F401 (the CLI's helper, kept here for its callers)
 
 DEFAULT_PRESET = "tiny_shapes_flow_grpo.yaml"  # what `flowrl eval` evaluates with no config: the shipped model
 
@@ -93,19 +94,6 @@ def config_evaluator(cfg):
 def split_name(split: str, cfg) -> str:
     """--split heldout / train -> the prompt set the config's evaluator names for it (or a prompt set by name)."""
     return getattr(config_evaluator(cfg), "splits", {}).get(split, split) if cfg.log.eval != "none" else split
-
-
-def finite_json(obj):
-    """``obj`` with every NaN or infinite number replaced by None (strict JSON parsers refuse NaN)."""
-    import math
-
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite_json(v) for v in obj]
-    return obj
 
 
 def torch_cuda_available() -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from ..cli_types import positive_int
@@ -48,6 +49,13 @@ def cmd_rank(args) -> int:
     plot_rank(table, baseline, out / "rank.png")
     if args.plan:  # the training reward against time, mean +- SE over seeds
         compare_runs(runs, out, "time", "reward_mean/total", band="se")
+    curves = [r for r in runs if (Path(r) / "eval_curve.jsonl").is_file()]
+    if curves:  # the held-out curve against iterations, transformer evaluations and seconds, mean +- SE over seeds
+        for x in ("iteration", "evaluations", "time"):
+            try:
+                compare_runs(curves, out / f"heldout_vs_{x}", x, f"heldout/{table[0]['metric']}", band="se")
+            except FlowRLError as exc:  # older runs without the counter: named, the table stands
+                print(f"flowrl rank: no held-out curve against {x}: {exc}", file=sys.stderr)
     print(text)
     return 0
 
@@ -57,7 +65,7 @@ def add_parsers(sub) -> None:
     c = sub.add_parser("compare", help="reward or held-out curves of several runs (seed bands), PNG, CSV and a "
                          "summary: final values and what each run spent to reach the first run's final value")
     c.add_argument("runs", nargs="+", help="run directories")
-    c.add_argument("--x", default="iteration", choices=["iteration", "nfe", "rollouts", "time"],
+    c.add_argument("--x", default="iteration", choices=["iteration", "nfe", "rollouts", "time", "evaluations"],
                    help="the x axis: iterations, transformer evaluations, leaves rolled out or training seconds")
     c.add_argument("--metric", default="reward_mean/total",
                    help="a logged metric, or heldout/all / heldout/reward (the log.eval_every curve)")

@@ -45,6 +45,24 @@ def write_csv(path: Path, rows: list[dict], fieldnames: list[str] | None = None)
     atomic_write_bytes(path, buf.getvalue().encode("utf-8"))
 
 
+def finite_json(obj):
+    """``obj`` with every NaN or infinite number replaced by None (strict JSON parsers refuse NaN)."""
+    import math
+
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
+def number(value) -> float:
+    """A number read back from JSON: null (a non-finite number written by :func:`finite_json`) is NaN."""
+    return float("nan") if value is None else value
+
+
 def append_metrics(path: Path, row: dict) -> None:
     """One row, flushed to disk before returning (a crash loses at most the row being written)."""
     with open(path, "a", encoding="utf-8") as fh:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .files import read_metrics, save_figure
+from .files import number, read_metrics, save_figure
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -17,6 +17,16 @@ def smooth(values: list[float], window: int) -> list[float]:
             acc.pop(0)
         out.append(sum(acc) / len(acc))
     return out
+
+
+def _json_object(path: Path) -> dict:
+    """A state file's object for a plot; absent or damaged ones draw nothing (the run names them when it reads
+    them back)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def plot_reward_curve(run_dir: Path) -> Path | None:
@@ -32,8 +42,8 @@ def plot_reward_curve(run_dir: Path) -> Path | None:
     components = [k[len("reward_mean/"):] for k in rows[0] if k.startswith("reward_mean/") and k != "reward_mean/total"]
     panels = ["total"] + components if len(components) > 1 else ["total"]
     evals, about = {}, {}
-    if (run_dir / "eval.json").is_file():  # the held-out headline number before / after, next to the training reward
-        data = json.loads((run_dir / "eval.json").read_text())
+    data = _json_object(run_dir / "eval.json")  # the held-out headline number before / after, beside the reward
+    if data:
         about = data.get("about", {})  # which number the evaluator headlines, and its title
         if about.get("headline"):
             evals = {k: v for k, v in data.items() if k in ("before", "after") and isinstance(v, dict)}
@@ -55,16 +65,16 @@ def plot_reward_curve(run_dir: Path) -> Path | None:
     if evals:
         ax = axes[0][-1]
         where, label = {"before": 0, "after": rows[-1]["iteration"] + 1}, "full evaluation"
-        best = json.loads((run_dir / "best.json").read_text()) if (run_dir / "best.json").is_file() else {}
+        best = _json_object(run_dir / "best.json")
         if best.get("ended_with"):  # the run ended with its best curve point's weights: "after" is drawn there
             where["after"], label = best["iteration"], f"full evaluation (after: iteration {best['iteration']}'s weights)"
         key, scale = about["headline"], about.get("scale", 1.0)
-        points = [(where[k], scale * v[key]) for k, v in evals.items() if k in where and key in v]
+        points = [(where[k], scale * number(v[key])) for k, v in evals.items() if k in where and key in v]
         ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color="C2", label=label)
         curve = read_metrics(run_dir / "eval_curve.jsonl")
         if curve:  # the periodic points use fewer seeds: noisier, drawn thinner
             unit = "videos" if "videos" in curve[0] else "images"
-            ax.plot([c["iteration"] for c in curve], [scale * c.get(key, float("nan")) for c in curve], ".--",
+            ax.plot([c["iteration"] for c in curve], [scale * number(c.get(key)) for c in curve], ".--",
                     color="C4", lw=1,
                     label=f"every log.eval_every ({curve[0].get(unit, 0)} {unit})")
             ax.legend(fontsize=7)

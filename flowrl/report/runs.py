@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ..errors import FlowRLError
-from .files import read_metrics, save_figure, write_csv
+from .files import number, read_metrics, save_figure, write_csv
 from .plots import smooth
 
 
@@ -28,8 +28,10 @@ def _run_label(run_dir: Path) -> tuple[str, int]:
     return (base, seed) if base != label else (f"{algo}:{label}", seed)
 
 
-X_AXES = {"iteration": "iteration", "nfe": "nfe_rollout_cum", "rollouts": "rollouts_cum", "time": "seconds_cum"}
-X_NAMES = {"iteration": "iteration", "nfe": "rollout NFE (cumulative)", "rollouts": "images rolled out (cumulative)",
+X_AXES = {"iteration": "iteration", "nfe": "nfe_rollout_cum", "rollouts": "rollouts_cum", "time": "seconds_cum",
+          "evaluations": "evaluations_cum"}
+X_NAMES = {"iteration": "iteration", "nfe": "rollout NFE (cumulative)",
+           "evaluations": "transformer evaluations, rollout + update (cumulative)", "rollouts": "images rolled out (cumulative)",
            "time": "training seconds (cumulative)"}
 HELDOUT = "heldout/"  # heldout/<key>: the held-out curve's number <key>, read from eval_curve.jsonl (log.eval_every)
 
@@ -50,7 +52,7 @@ def _run_series(rd: Path, metric: str, x_axis: str, smoothing: int) -> tuple[lis
     if X_AXES[x_axis] not in rows[-1]:
         raise FlowRLError(f"{rd}: {X_AXES[x_axis]} is not logged by this run (older flowrl); use another --x")
     xs = [r[X_AXES[x_axis]] for r in rows]
-    return xs, smooth([r[key] for r in rows], smoothing)
+    return xs, smooth([number(r[key]) for r in rows], smoothing)
 
 
 def _first_reach(xs: list[float], ys: list[float], target: float) -> float | None:
@@ -180,7 +182,8 @@ def rank_runs(run_dirs: list[Path], baseline: str | None = None, max_se: float =
             continue
         about = ev.get("about", {})
         key, watch = metric or about.get("headline"), about.get("watch")
-        b, a = ev["before"], ev["after"]
+        b = {k: number(v) for k, v in ev["before"].items()}  # null: a non-finite number
+        a = {k: number(v) for k, v in ev["after"].items()}
         if key not in b or key not in a:
             numbers = ", ".join(k for k, v in a.items() if isinstance(v, (int, float)))
             raise FlowRLError(f"{rd}: eval.json has no held-out number {key!r} to rank by; pass --metric (one of "
@@ -191,7 +194,8 @@ def rank_runs(run_dirs: list[Path], baseline: str | None = None, max_se: float =
         groups.setdefault(label, []).append({
             "seed": seed, "gain": a[key] - b[key], "before": b[key], "after": a[key], "reward_after": a.get("reward", nan),
             "watch_change": a.get(watch, nan) - b.get(watch, nan) if watch else nan, "metric": key, "watch": watch,
-            "seconds": last.get("seconds_cum", nan), "rollouts": last.get("rollouts_cum", nan)})
+            "seconds": last.get("seconds_cum", nan), "rollouts": last.get("rollouts_cum", nan),
+            "evaluations": last.get("evaluations_cum", nan), "iterations": last.get("iteration", -1) + 1})
     if skipped:  # a folder such as runs/*/ holds other runs too: named, not fatal
         print(f"flowrl rank: skipped {len(skipped)} run(s) without a finished held-out evaluation (eval.json with "
               f"'before' and 'after'): {', '.join(str(r) for r in skipped)}", file=sys.stderr)
@@ -212,7 +216,8 @@ def rank_runs(run_dirs: list[Path], baseline: str | None = None, max_se: float =
                       "after_mean": mean("after"),
                       "reward_after": mean("reward_after"), "watch_change": mean("watch_change"),
                       "metric": runs[0]["metric"], "watch": runs[0]["watch"],
-                      "seconds": mean("seconds"), "rollouts": mean("rollouts")})
+                      "seconds": mean("seconds"), "rollouts": mean("rollouts"),
+                      "evaluations": mean("evaluations"), "iterations": mean("iterations")})
     base = next(r for r in table if r["label"] == base_label)
     for row in table:
         row["se_ok"] = row["gain_se"] is not None and row["gain_se"] <= max_se
@@ -232,15 +237,16 @@ def format_rank_table(table: list[dict], baseline: str) -> str:
     metric = table[0]["metric"] if table else "headline"
     watch = next((r["watch"] for r in table if r["watch"]), None)
     lines = [(f"| rank | preset | seeds | held-out {metric} gain (pts, mean +- SE) | before -> after | held-out reward | "
-              f"{watch or 'watched number'} change | seconds | images | vs {baseline} |"), "|" + "---|" * 10]
+              f"{watch or 'watched number'} change | iterations | evaluations | seconds | images | vs {baseline} |"),
+             "|" + "---|" * 12]
     for i, r in enumerate(table, 1):
         se = "n/a" if r["gain_se"] is None else f"{100 * r['gain_se']:.1f}" + ("" if r["se_ok"] else " (> 1.5)")
         sig = ("baseline" if r["label"] == baseline else "n/a" if r["significant"] is None else
                f"{100 * r['diff_vs_baseline']:+.1f} " + ("(> 2 SE)" if r["significant"] else "(within 2 SE)"))
         lines.append(f"| {i} | {r['label']} | {len(r['seeds'])} | {100 * r['gain_mean']:+.1f} +- {se} | "
                      f"{100 * r['before_mean']:.1f}% -> {100 * r['after_mean']:.1f}% | {r['reward_after']:.3f} | "
-                     f"{r['watch_change']:+.1f} | "
-                     f"{r['seconds']:.0f} | {r['rollouts']:.0f} | {sig} |")
+                     f"{r['watch_change']:+.1f} | {r.get('iterations', float('nan')):.0f} | "
+                     f"{r.get('evaluations', float('nan')):,.0f} | {r['seconds']:.0f} | {r['rollouts']:.0f} | {sig} |")
     return "\n".join(lines)
 
 
