@@ -401,7 +401,7 @@ class RewardHackingGuard(Callback):
         if self.g.prompt_set:
             from .prompts import prompt_set
 
-            return prompt_set(self.g.prompt_set)[: self.g.num_prompts]
+            return prompt_set(self.g.prompt_set, "guard.prompt_set")[: self.g.num_prompts]
         return trainer.prompts.prompts[: self.g.num_prompts]
 
     def measure(self, trainer) -> dict:

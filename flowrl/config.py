@@ -738,6 +738,14 @@ def validate(cfg: Config) -> None:
         if not seeds:
             raise ConfigError(f"{key}: list at least one seed, e.g. [0, 1, 2, 3]")
         check_seeds(seeds, key)
+    if cfg.guard.enabled:
+        check_seeds(cfg.guard.seeds, "guard.seeds")
+        if len(set(cfg.guard.seeds)) < 2:
+            raise ConfigError(f"guard.seeds: {cfg.guard.seeds} gives each prompt fewer than two samples, so the "
+                              "guard's diversity signal could not see a collapse; list at least two seeds, e.g. "
+                              "[0, 1, 2, 3]")
+        if cfg.guard.prompt_set and cfg.guard.prompts:
+            raise ConfigError("guard.prompts and guard.prompt_set both name the guard's prompts; keep one")
     m = cfg.model
     from .registry import MODEL_NAMES, adapter_class
 

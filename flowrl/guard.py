@@ -141,3 +141,32 @@ def flat(measure: dict) -> dict[str, float]:
     row = {f"guard/{k}": v for k, v in measure.items() if isinstance(v, (int, float)) and k != "period"}
     row.update({f"guard/watched/{name}": v for name, (v, _) in measure.get("watched", {}).items()})
     return row
+
+
+def check_guard_inputs(cfg) -> None:
+    """What the guard will read, checked at setup before a model loads: its prompt set, its watched rewards and a
+    local diversity embedder; one line naming the guard's key otherwise."""
+    from pathlib import Path
+
+    from .errors import ConfigError, FlowRLError
+    from .prompts import prompt_set
+
+    g = cfg.guard
+    if not g.enabled or cfg.train.iterations < g.every:
+        return
+    if g.prompt_set:
+        prompt_set(g.prompt_set, "guard.prompt_set")
+    if g.watched:
+        from .rewards import build_reward_set
+
+        for spec in g.watched:
+            if not spec.name:
+                raise ConfigError("guard.watched: a watched reward needs a name")
+        try:
+            build_reward_set(g.watched)
+        except FlowRLError as exc:
+            raise ConfigError(f"guard.watched: {exc}") from exc
+    e = g.diversity_embedder
+    if e and (e.startswith((".", "/", "~")) or Path(e).expanduser().exists()) and not Path(e).expanduser().is_dir():
+        raise ConfigError(f"guard.diversity_embedder: {e} is not a model folder; give a local folder of a "
+                          "transformers image model, or leave it empty for the built-in pixel embedding")

@@ -23,11 +23,29 @@ DEFAULT_TINY_PROMPTS = [
 ]
 
 
-def prompt_set(name: str) -> list[str]:
-    """A registered prompt set (``flowrl.registry.PROMPT_SETS``) or ``module:function`` returning prompts."""
+def prompt_set(name: str, key: str = "data.prompt_set") -> list[str]:
+    """A registered prompt set (``flowrl.registry.PROMPT_SETS``) or ``module:function`` returning prompts; ``key``
+    names the config key in messages."""
+    from .errors import ConfigError
     from .registry import PROMPT_SETS
 
-    return list(PROMPT_SETS.resolve(name)())
+    if name not in PROMPT_SETS and ":" not in name:
+        import difflib
+
+        known = PROMPT_SETS.names()
+        close = difflib.get_close_matches(name, known, n=1)
+        raise ConfigError(f"{key}: unknown prompt set {name!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+                          + f" (known: {', '.join(known)}; or module:function)")
+
+    try:
+        prompts = PROMPT_SETS.resolve(name)()
+    except ConfigError:
+        raise
+    except Exception as exc:  # a user's prompt-set function that fails: named, one line
+        raise ConfigError(f"{key}: {name!r} failed: {type(exc).__name__}: {str(exc)[:200]}") from exc
+    if isinstance(prompts, str) or not all(isinstance(p, str) for p in (prompts or [None])):
+        raise ConfigError(f"{key}: {name!r} returned {type(prompts).__name__}, not a list of prompt strings")
+    return list(prompts)
 
 
 SOURCE_FIELDS = ("source", "sources")  # a data row's source image(s): the row is an edit request

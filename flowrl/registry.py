@@ -14,9 +14,10 @@ from __future__ import annotations
 import contextvars
 import difflib
 import importlib
+import inspect
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,9 +35,10 @@ class Registry(dict):
     """
 
     def __init__(self, what: str, entries: dict[str, Any] | None = None, group: str | None = None,
-                 error: type[Exception] = ConfigError):
+                 error: type[Exception] = ConfigError, kind: tuple[Callable[[Any], bool], str] | None = None):
         super().__init__(entries or {})
         self.what, self.group, self.error = what, group, error
+        self.kind = kind  # (test, what the object must be): a plug-in that fails the test is refused in one line
 
     def register(self, name: str, obj: Any = None):
         """``registry.register("name", obj)``, or ``@registry.register("name")`` on a class or function."""
@@ -77,6 +79,9 @@ class Registry(dict):
                 entry = self._import(entry, search_here)
             else:
                 entry = self._import(entry)
+            if self.kind is not None and not self.kind[0](entry):
+                shown = type(entry).__name__ if not callable(entry) else getattr(entry, "__name__", "an object")
+                raise self.error(f"{self.what}: {name!r} is {shown}, not {self.kind[1]}")
             if ":" not in name:  # a built-in or installed name imports once; module:attribute is not kept
                 self[name] = entry
         return entry
@@ -87,6 +92,9 @@ class Registry(dict):
             obj = import_plugin(module) if search_here else importlib.import_module(module)
         except ImportError as exc:
             raise self.error(f"{self.what}: cannot import module {module!r} ({exc})") from exc
+        except Exception as exc:  # the module itself fails as it loads: its error, in one line
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise self.error(f"{self.what}: importing module {module!r} failed: {type(exc).__name__}: {first}") from exc
         if attr and not hasattr(obj, attr):
             raise self.error(f"{self.what}: module {module!r} has no attribute {attr!r}")
         return getattr(obj, attr) if attr else obj
@@ -103,7 +111,8 @@ ALGORITHMS = Registry("algorithm.name", {
         ("dgpo", "DGPO"), ("gardo", "GARDO"), ("refl", "ReFL"), ("on_policy_distillation", "OnPolicyDistillation"),
         ("euphonium", "Euphonium"), ("ac_flow", "ACFlow"),
     ]
-}, group="flowrl_algorithms")
+}, group="flowrl_algorithms", kind=(lambda o: inspect.isclass(o) and hasattr(o, "Options") and hasattr(o, "plan"),
+                                   "an algorithm class (a subclass of flowrl.algorithms.Algorithm)"))
 # model families (model.family): a ModelAdapter class with from_config(model_cfg, device)
 DEFAULT_FAMILY = "sd3"
 MODEL_FAMILIES = Registry("model.family", {
@@ -112,7 +121,8 @@ MODEL_FAMILIES = Registry("model.family", {
     "qwenimage-edit": "flowrl.models.qwenimage_edit:QwenImageEditAdapter",
     "qwenimage-edit-plus": "flowrl.models.qwenimage_edit:QwenImageEditPlusAdapter",
     "wan": "flowrl.models.wan:WanAdapter", "hunyuanvideo15": "flowrl.models.hunyuanvideo15:HunyuanVideo15Adapter", "ltx2": "flowrl.models.ltx2:LTX2Adapter", "zimage": "flowrl.models.zimage:ZImageAdapter",
-}, group="flowrl_model_families")
+}, group="flowrl_model_families", kind=(lambda o: inspect.isclass(o) and hasattr(o, "from_config"),
+                                       "a model adapter class (with from_config)"))
 # built-in prompt sets: a function returning the list of prompts
 PROMPT_SETS = Registry("data.prompt_set", {
     "shapes-train": "flowrl.shapes.domain:train_prompts",
@@ -121,7 +131,7 @@ PROMPT_SETS = Registry("data.prompt_set", {
     "moving-shapes-heldout": "flowrl.shapes.moving:heldout_prompts",
     "shapes-edit-train": "flowrl.shapes.editing:train_edit_prompts",
     "shapes-edit-heldout": "flowrl.shapes.editing:heldout_edit_prompts",
-}, group="flowrl_prompt_sets")
+}, group="flowrl_prompt_sets", kind=(callable, "a function returning prompts"))
 # source images drawn by a renderer (an edit request's source key "scheme:spec"): a function(spec, size) -> RGB PIL
 SOURCE_SCHEMES = Registry("source image scheme", {"shapes": "flowrl.shapes.editing:render_source"},
                           group="flowrl_source_schemes")
@@ -129,9 +139,11 @@ SOURCE_SCHEMES = Registry("source image scheme", {"shapes": "flowrl.shapes.editi
 EVALUATORS = Registry("log.eval", {"shapes": "flowrl.shapes.evaluate:ShapesEvaluator",
                                    "moving-shapes": "flowrl.shapes.evaluate:MovingShapesEvaluator",
                                    "shapes-edit": "flowrl.shapes.editing:ShapesEditEvaluator"},
-                      group="flowrl_evaluators")
+                      group="flowrl_evaluators",
+                      kind=(inspect.isclass, "an evaluator class (built with no arguments, then called)"))
 # command-line subcommands that plug-ins add: a function(subparsers) that adds them
-COMMANDS = Registry("command", {"shapes-demo": "flowrl.shapes.commands:add_commands"}, group="flowrl_commands")
+COMMANDS = Registry("command", {"shapes-demo": "flowrl.shapes.commands:add_commands"}, group="flowrl_commands",
+                    kind=(callable, "a function that adds subcommands"))
 # pretrained model names that are not hub ids: a function(model_cfg) -> diffusers pipeline
 MODEL_NAMES = Registry("model.pretrained", {
     "tiny-shapes": "flowrl.shapes.image_model:load_tiny_shapes_pipeline",

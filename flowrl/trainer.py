@@ -25,6 +25,7 @@ from .checkpoint import (load_run_state, reference_checkpoints, resume_checkpoin
 from .config import Config, iteration_seed
 from .distributed import Processes, ShardedSampler
 from .editing import check_prompts_fit, prepend_sources
+from .guard import check_guard_inputs
 from .errors import FlowRLError, Stopped
 from .memory import run_micro_batch, saved_micro_batch
 from .models import load_adapter
@@ -72,8 +73,6 @@ class Trainer:
         self.start_iteration = 0 if resume_ckpt is None else resume_start(resume_ckpt, cfg.train.iterations)
         self.folder = RunFolder(self.procs.broadcast(RunFolder.plan(cfg, config_name, run_dir, resume_ckpt).path))
         self.run_dir = self.folder.path
-        if self.procs.is_main:  # one writer per run folder, before anything in it is written
-            self.folder.lock()
         if resume_ckpt is not None and cfg.train.micro_batch == "auto":
             saved_micro_batch(self.run_dir)  # a damaged micro_batch.json: one line before a model loads
         # --- the model (sharded, only the main process reads the trained weights), the policy and what trains it
@@ -103,7 +102,8 @@ class Trainer:
         self.peak_tflops = device_peak_tflops(self.device, cfg.train.peak_tflops)
         if resume_ckpt is not None:
             load_run_state(resume_ckpt, self.policy, self.algorithm, cfg)
-        if self.procs.is_main:  # one process writes the run folder
+        if self.procs.is_main:  # one process writes the run folder, and one run: a second writer is refused here
+            self.folder.lock()
             self.folder.open(cfg, self.start_iteration if resume_ckpt is not None else None,
                              self.accelerator if cfg.log.trackers else None)
         # what is derived lives beside the config, which stays as given: the update's micro-batch, resolved
@@ -125,6 +125,7 @@ class Trainer:
         algorithm = make_algorithm(cfg)
         algorithm.check_inputs(rewards, prompts)
         rewards.check_metadata(prompts.prompts, prompts.metadata)
+        check_guard_inputs(cfg)
         check_prompts_fit(cfg, prompts.prompts)
         if cfg.train.fsdp.enabled:
             check_options(cfg, self.device, self.procs.processes)

@@ -39,7 +39,7 @@ REWARDS = Registry("reward", {
     "shapes_edit_accuracy": "flowrl.shapes.editing:ShapesEditAccuracy",
     "moving_shapes": "flowrl.shapes.video_reward:MovingShapesReward",
     "moving_shapes_accuracy": "flowrl.shapes.video_reward:MovingShapesAccuracy",
-}, group="flowrl_rewards", error=RewardError)
+}, group="flowrl_rewards", error=RewardError, kind=(callable, "a reward: a scorer function, or a class that builds one"))
 
 
 def register_reward(name: str):

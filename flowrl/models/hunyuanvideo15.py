@@ -40,6 +40,12 @@ class HunyuanVideo15Adapter(PipelineAdapter):
     text_encoder_names = ("text_encoder", "text_encoder_2")
     tiny_builder = "build_tiny_hunyuanvideo15_pipeline"
     tiny_patch_pixels = 4  # the tiny VAE's 2x downsampling x 2 x 2 patches
+
+    @classmethod
+    def frames_multiple(cls, model_cfg) -> int:
+        """``model.num_frames - 1`` must be a multiple of this: the VAE's temporal compression (4 for the published
+        VAE, 2 for the tiny test model's)."""
+        return 2 if model_cfg.pretrained in (None, "", "tiny") else 4
     real_patch_pixels = 16  # the VAE's 16x downsampling, 1 x 1 patches
     presets = HUNYUANVIDEO15_PRESETS
     family_options = ("num_frames",)

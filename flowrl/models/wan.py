@@ -39,6 +39,12 @@ class WanAdapter(PipelineAdapter):
 
     tiny_builder = "build_tiny_wan_pipeline"
     tiny_patch_pixels = 4  # the tiny VAE's 2x downsampling x 2 x 2 patches
+
+    @classmethod
+    def frames_multiple(cls, model_cfg) -> int:
+        """``model.num_frames - 1`` must be a multiple of this: the VAE's temporal compression (4 for the published
+        VAE, 2 for the tiny test model's)."""
+        return 2 if model_cfg.pretrained in (None, "", "tiny") else 4
     presets = WAN_PRESETS
     family_options = ("num_frames", "train_expert", "low_noise_guidance_scale")
     num_frames = 17  # model.num_frames: 4k + 1 for the 4x temporal VAE
