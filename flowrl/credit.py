@@ -332,9 +332,16 @@ def measure_label(label: str, cfg, prompt_rows: list[int], draws: int, seed: int
     sigmas, negative = sampler.sigmas, sampler.negative
     latent_shape = adapter.latent_shape(cfg.model.resolution)
     kopts = kernel_options(cfg)
+    from .algorithms import AlgorithmContext
+
+    algo.attach(None, AlgorithmContext(source, rewards, sampler))  # what a method keeps of the model (no policy here)
     algo.remember_prompts(prompts, metadata)
     gen = torch.Generator().manual_seed(seed)
     plan = algo.plan(0, random.Random(seed), sigmas)
+    if plan.guidance is not None:
+        return LabelCredit(label, cfg.algorithm.name, None, 0, 0, float("nan"), 0, time.perf_counter() - t0,
+                           skipped="its rollout is guided by a reward gradient, which the continuations do not "
+                                   "reproduce")
     cond = adapter.encode_prompts(prompts)
     s = cfg.sampler
     tree = rollout(adapter, cond, plan, sigmas, latent_shape, max_batch=s.max_batch, guidance_scale=s.guidance_scale,

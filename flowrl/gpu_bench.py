@@ -300,7 +300,7 @@ def auto_batch(family: str, px: int, device: torch.device, checkpointing: bool, 
 
 
 def run_gpu_bench(families=("sd35m", "flux1"), resolutions=(512, 1024), batch: int | str = 4, prompts: int = 2,
-                  peak_tflops: float = 989.0, tiny: bool = False, device: str | None = None, emit=print,
+                  peak_tflops: float | None = None, tiny: bool = False, device: str | None = None, emit=print,
                   compiled: bool = True, attention_backend: str = "native", steps: int = 20, chains: int = 16,
                   cases: tuple[str, ...] = ("update", "update unfused-adamw", "update checkpointing"),
                   most_batch: int = 32) -> list[dict]:
@@ -327,6 +327,11 @@ UPDATE_CASES = {"update": (True, False), "update unfused-adamw": (False, False),
 def _run_gpu_bench(families, resolutions, batch, prompts, peak_tflops, tiny, device, emit, compiled, steps, chains,
                    cases, most_batch) -> list[dict]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from .throughput import device_peak_tflops
+
+    # the named device's dense bf16 peak (H100 SXM 989, PCIe 756, NVL 835, H200 989, A100 312), or the given one;
+    # a CPU has none: its rows' MFU is against 1 TFLOP/s, named as such in every row
+    peak_tflops = device_peak_tflops(dev, peak_tflops) or 1.0
     rows = []
 
     def emit_row(row):
@@ -360,7 +365,8 @@ def _run_gpu_bench(families, resolutions, batch, prompts, peak_tflops, tiny, dev
                           "seconds": round(r["seconds"], 4), "images_per_s": round(r["images_per_s"], 2),
                           "nfe": r["nfe"], "transformer_calls": r["transformer_calls"], "leaves": r["leaves"],
                           "gflop_per_nfe": round(per_row / 1e9, 4), "achieved_tflops": round(tflops, 3),
-                          "mfu": round(tflops / peak_tflops, 4), "peak_memory_mb": round(r["peak_memory_mb"], 1)})
+                          "mfu": round(tflops / peak_tflops, 4), "peak_tflops": peak_tflops,
+                          "peak_memory_mb": round(r["peak_memory_mb"], 1)})
         if compiled:  # last: the blocks stay compiled; each step's FLOPs counted on the eager model first
             from .policy import configure_update_path
 
@@ -384,7 +390,7 @@ def _update_row(family, px, case, batch, r, flops, peak_tflops) -> dict:
     tflops = flops / r["seconds"] / 1e12
     return {"family": family, "px": px, "case": case, "batch": batch, "seconds": round(r["seconds"], 4),
             "images_per_s": round(r["images_per_s"], 2), "gflop_per_step": round(flops / 1e9, 4),
-            "achieved_tflops": round(tflops, 3), "mfu": round(tflops / peak_tflops, 4),
+            "achieved_tflops": round(tflops, 3), "mfu": round(tflops / peak_tflops, 4), "peak_tflops": peak_tflops,
             "peak_memory_mb": round(r["peak_memory_mb"], 1)}
 
 

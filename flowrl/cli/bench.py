@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..cli_types import batch_size, positive_int, power_of_two
+from ..cli_types import batch_size, positive_int, positive_number, power_of_two
 from ..errors import FlowRLError
 from .common import load_cli_config, torch_cuda_available
 
@@ -113,7 +113,8 @@ def add_parsers(sub) -> None:
                     "leaves (branch 2 at steps 0, 3, 6, ...)")
     bg.add_argument("--attention-backend", default="native", choices=["native", "native_cudnn"],
                     help="the SDPA kernels (train.attention_backend)")
-    bg.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense bf16 peak (H100/H200 SXM: 989)")
+    bg.add_argument("--peak-tflops", type=positive_number, default=None, help="the device's dense bf16 peak in "
+                    "TFLOP/s (default: read from its name: H100 SXM 989, PCIe 756, NVL 835, H200 989, A100 312)")
     bg.add_argument("--tiny", action="store_true", help="shrunken models at 64 px: the same code path on a CPU")
     bg.add_argument("--out", help="also write the rows to this JSON file")
     bg.set_defaults(func=cmd_bench_gpu)

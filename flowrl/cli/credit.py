@@ -78,7 +78,13 @@ def cmd_credit(args) -> int:
         if isinstance(cfg, str):
             results.append(LabelCredit(name, name, None, 0, 0, float("nan"), 0, 0.0, skipped=cfg))
             continue
-        r = measure_label(name, cfg, rows, args.continuations, args.seed, args.antithetic, not args.quiet, adapters)
+        try:
+            r = measure_label(name, cfg, rows, args.continuations, args.seed, args.antithetic, not args.quiet,
+                              adapters)
+        except (FlowRLError, AttributeError, ValueError, RuntimeError) as exc:  # one method's failure: named, the rest run
+            why = (str(exc).strip().splitlines() or [""])[0][:160]
+            r = LabelCredit(name, cfg.algorithm.name, None, 0, 0, float("nan"), 0, 0.0,
+                            skipped=f"could not be measured here: {type(exc).__name__}: {why}")
         results.append(r)
         if not args.quiet:
             print(f"{name}: " + (f"pearson {r.agreement.pearson:+.3f} over {r.trained} transitions "
