@@ -334,7 +334,10 @@ def measure_label(label: str, cfg, prompt_rows: list[int], draws: int, seed: int
     kopts = kernel_options(cfg)
     from .algorithms import AlgorithmContext
 
-    algo.attach(None, AlgorithmContext(source, rewards, sampler))  # what a method keeps of the model (no policy here)
+    try:  # what a method keeps of the model; there is no policy here (a method that needs one keeps nothing)
+        algo.attach(None, AlgorithmContext(source, rewards, sampler))
+    except AttributeError:
+        pass
     algo.remember_prompts(prompts, metadata)
     gen = torch.Generator().manual_seed(seed)
     plan = algo.plan(0, random.Random(seed), sigmas)

@@ -136,8 +136,10 @@ def build(family: str, device: torch.device, tiny: bool, lora_rank: int = 32) ->
     cfg = (TINY if tiny else REAL)[family]
     cls = getattr(diffusers, CLASSES[family])
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    with torch.device(device):
-        tr = cls(**cfg).to(dtype)  # frozen base weights in bf16 on the accelerator
+    from .models.published import built_on
+
+    with built_on(device, dtype):  # allocated in bf16 on the accelerator (an fp32 build of Qwen-Image takes 76 GiB)
+        tr = cls(**cfg).to(dtype)  # frozen base weights in bf16
     tr.requires_grad_(False)
     tr.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, init_lora_weights="gaussian",
                               target_modules=LORA_TARGETS[family]))
@@ -162,15 +164,42 @@ def _cond(model: BenchModel, n: int, tiny: bool) -> PromptEmbeds:
 def update_step(model: BenchModel, px: int, batch: int, tiny: bool, *, fused_adamw: bool, checkpointing: bool,
                 repeats: int = 3, count_flops: bool = True) -> dict:
     """One LoRA GRPO update on ``batch`` edges at ``px``: forward, per-edge objective, backward, AdamW step, timed
-    over ``repeats`` steps after a warm-up. Its FLOPs are counted on one step without gradient checkpointing (MFU
-    does not credit recomputation); ``repeats=0`` returns the count alone."""
+    over ``repeats`` steps after a warm-up. Its FLOPs are counted on a one-edge step without gradient checkpointing
+    (MFU does not credit recomputation) times ``batch`` (every edge has the same tokens), so the count never holds
+    more activations than the measured step does; ``repeats=0`` returns the count alone."""
+    dev, tr = model.device, model.transformer
+    params = [p for p in tr.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=fused_adamw and dev.type == "cuda")
+    flops = 0
+    if count_flops:  # the counter's dispatch mode is kept out of compiled code
+        tr.disable_gradient_checkpointing()
+        flops = batch * _count_flops(_update_closure(model, px, 1, tiny, opt))
+    if repeats == 0:  # the count alone
+        return {"flops": flops}
+    one = _update_closure(model, px, batch, tiny, opt)
+    if checkpointing:
+        tr.enable_gradient_checkpointing()
+    else:
+        tr.disable_gradient_checkpointing()
+    one()  # warm-up (and compilation, where the blocks are compiled)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    synchronize(dev)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        one()
+    synchronize(dev)
+    seconds = (time.perf_counter() - t0) / repeats
+    del opt
+    return {"seconds": seconds, "flops": flops, "images_per_s": batch / seconds, "peak_memory_mb": peak_memory_mb(dev)}
+
+
+def _update_closure(model: BenchModel, px: int, batch: int, tiny: bool, opt):
+    """One update step on ``batch`` edges (inputs drawn once), as a function."""
     from .losses import edge_objective
     from .samplers.kernels import step as kernel_step
 
-    dev, tr = model.device, model.transformer
-    tr.disable_gradient_checkpointing()  # the FLOPs are counted without recomputation (MFU's convention)
-    params = [p for p in tr.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-5, fused=fused_adamw and dev.type == "cuda")
+    dev = model.device
     g = torch.Generator().manual_seed(1)
     shape = (batch, *model.latent_shape(px))
     x = torch.randn(shape, generator=g).to(dev)
@@ -191,22 +220,7 @@ def update_step(model: BenchModel, px: int, batch: int, tiny: bool, *, fused_ada
         loss.mean().backward()
         opt.step()
 
-    flops = _count_flops(one) if count_flops else 0  # the counter's dispatch mode is kept out of compiled code
-    if repeats == 0:  # the count alone
-        return {"flops": flops}
-    if checkpointing:
-        tr.enable_gradient_checkpointing()
-    one()  # warm-up (and compilation, where the blocks are compiled)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    synchronize(dev)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        one()
-    synchronize(dev)
-    seconds = (time.perf_counter() - t0) / repeats
-    del opt
-    return {"seconds": seconds, "flops": flops, "images_per_s": batch / seconds, "peak_memory_mb": peak_memory_mb(dev)}
+    return one
 
 
 def _count_flops(fn) -> int:

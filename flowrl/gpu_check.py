@@ -2,8 +2,9 @@
 
 Each stage runs in its own process with its own time budget, so one that fails or hangs (a CUDA error, a
 compilation that overruns) is recorded and the next one still runs. A stage writes each row as soon as it is
-measured, so a stage that runs out of time still reports what it measured. The stages' budgets add up
-to 9.1 minutes on one H100 80 GB (sized from the timings of an earlier run on one). It writes ``gpu_check.json`` (every stage's
+measured, so a stage that runs out of time still reports what it measured, and the report files are rewritten
+after every stage. The stages' budgets, process start-up included, add up to 6.6 minutes on one H100 80 GB,
+leaving room in a 10-minute call for a rerun of a stage. It writes ``gpu_check.json`` (every stage's
 status, seconds, rows or error) and ``gpu_check.md`` (the same as tables) into ``--out``. ``--tiny`` runs the
 same stages on a CPU with shrunken models (the test suite does).
 
@@ -44,21 +45,22 @@ from pathlib import Path
 
 from .callbacks import Callback
 
-STAGES = {  # name -> seconds allowed on one H100 (the tiny CPU check gets four times as long); 9.1 minutes in all
-    "bench-sd35m": 65,
-    "bench-flux1": 55,
-    "bench-flux2-klein": 35,
-    "bench-qwen-image": 50,
-    "bench-wan21-1.3b": 25,
-    "bench-wan21-14b": 45,
-    "bench-zimage": 40,
-    "bench-hunyuanvideo15": 45,
-    "bench-ltx2": 40,
-    "end-to-end-sd35m": 55,
-    "fsdp-world1": 30,
-    "gpu-tests": 35,
-    "tiny-main-job": 25,
+STAGES = {  # name -> seconds allowed on one H100, process start-up included; 6.6 minutes in all
+    "bench-sd35m": 50,
+    "bench-flux1": 40,
+    "bench-flux2-klein": 25,
+    "bench-qwen-image": 35,
+    "bench-wan21-1.3b": 20,
+    "bench-wan21-14b": 30,
+    "bench-zimage": 25,
+    "bench-hunyuanvideo15": 30,
+    "bench-ltx2": 30,
+    "end-to-end-sd35m": 45,
+    "fsdp-world1": 20,
+    "gpu-tests": 25,
+    "tiny-main-job": 20,
 }
+TINY_TIME_FACTOR = 8  # the CPU check exercises every stage's code, not a GPU's speed: a slow shared CPU gets 8x
 # per benchmark stage: the family, and per resolution (rollout steps, chains per prompt)
 BENCH = {"bench-sd35m": ("sd35m", {512: (10, 16), 1024: (10, 8)}),
          "bench-flux1": ("flux1", {512: (10, 16)}),
@@ -66,7 +68,7 @@ BENCH = {"bench-sd35m": ("sd35m", {512: (10, 16), 1024: (10, 8)}),
          "bench-qwen-image": ("qwen", {512: (10, 16)}),
          "bench-wan21-1.3b": ("wan13", {256: (10, 16)}),
          "bench-wan21-14b": ("wan14", {256: (10, 8)}),
-         "bench-zimage": ("zimage", {512: (8, 16)}),
+         "bench-zimage": ("zimage", {512: (8, 8)}),  # a tree of 16 leaves needs splits at steps 0, 3, 6, 9
          "bench-hunyuanvideo15": ("hv15", {256: (10, 8)}),
          "bench-ltx2": ("ltx2", {256: (10, 8)})}
 ROWS = "rows.jsonl"  # a stage's rows, one JSON object per line, appended as each is measured
@@ -90,26 +92,25 @@ def _rows(folder: Path) -> list[dict]:
 
 
 def run_check(out_dir: Path, tiny: bool, stages: list[str] | None = None, emit=print) -> dict:
-    """Every stage in its own process within its budget; returns and writes the results."""
+    """Every stage in its own process group within its budget; gpu_check.json and gpu_check.md are rewritten after
+    every stage, so a check killed at its limit keeps every finished stage. Returns the report."""
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
+    report = {"tiny": tiny, "device": _device_name(tiny), "stages": results}
     for name in stages or list(STAGES):
-        # the CPU check exercises every stage's code, not the GPU's speed: a shared CPU gets four times the time
-        budget = STAGES[name] * (4 if tiny else 1)
+        budget = STAGES[name] * (TINY_TIME_FACTOR if tiny else 1)
         with tempfile.TemporaryDirectory() as tmp:
             target = Path(tmp) / "stage.json"
             start = time.perf_counter()
-            try:
-                done = subprocess.run(_stage_command(name, tiny, target), capture_output=True, text=True,
-                                      timeout=budget, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-                seconds = time.perf_counter() - start
-                if done.returncode == 0 and target.is_file():
-                    result = {"status": "ok", **json.loads(target.read_text())}
-                else:
-                    tail = (done.stderr or done.stdout).strip().splitlines()[-12:]
-                    result = {"status": "failed", "returncode": done.returncode, "error": "\n".join(tail)}
-            except subprocess.TimeoutExpired:
-                seconds, result = time.perf_counter() - start, {"status": "timeout", "error": f"over {budget} s"}
+            status, stdout, stderr, code = _run_stage(_stage_command(name, tiny, target), budget)
+            seconds = time.perf_counter() - start
+            if status == "timeout":
+                result = {"status": "timeout", "error": f"over {budget} s"}
+            elif code == 0 and target.is_file():
+                result = {"status": "ok", **json.loads(target.read_text())}
+            else:
+                tail = (stderr or stdout).strip().splitlines()[-12:]
+                result = {"status": "failed", "returncode": code, "error": "\n".join(tail)}
             rows = _rows(Path(tmp))
             if rows and not result.get("rows"):  # what a stage measured before it failed or ran out of time
                 result["rows"] = rows
@@ -118,10 +119,47 @@ def run_check(out_dir: Path, tiny: bool, stages: list[str] | None = None, emit=p
         results[name] = result
         kept = f", {len(result['rows'])} rows kept" if result["status"] != "ok" and result.get("rows") else ""
         emit(f"gpu-check: {name}: {result['status']} in {result['seconds']} s{kept}")
-    report = {"tiny": tiny, "device": _device_name(tiny), "stages": results}
-    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    (out_dir / "gpu_check.md").write_text(markdown(report))
+        _write_report(out_dir, report)
+    _write_report(out_dir, report)
     return report
+
+
+def _write_report(out_dir: Path, report: dict) -> None:
+    from .report import atomic_write_bytes
+
+    atomic_write_bytes(out_dir / "gpu_check.json", json.dumps(report, indent=1).encode())
+    atomic_write_bytes(out_dir / "gpu_check.md", markdown(report).encode())
+
+
+def _run_stage(cmd: list[str], budget: float) -> tuple[str, str, str, int | None]:
+    """Run a stage in its own process group; past its budget the whole group ends (a pytest it started, a
+    compile worker), so nothing of it holds the device during the next stage. Returns (status, stdout, stderr,
+    return code)."""
+    import signal
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        out, err = proc.communicate(timeout=budget)
+        return "done", out, err, proc.returncode
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=5)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        out, err = proc.communicate()
+        return "timeout", out, err, proc.returncode
+    finally:
+        try:  # the stage ended; anything it left running in its group ends with it
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _device_name(tiny: bool) -> str:
@@ -280,3 +318,58 @@ def _main_job(tiny: bool, emit=None) -> dict:
             "mfu_rollout", "mfu_update", "peak_memory_mb")
     return {"rows": [{k: (round(r[k], 4) if isinstance(r.get(k), float) else r.get(k)) for k in keep if k in r}
                      for r in rows]}
+
+
+# the cards a plan can be made for: name -> (memory the card reports, bytes)
+CARDS = {"H100 80GB": 79 * 2 ** 30, "H200": 139 * 2 ** 30, "A100 80GB": 79 * 2 ** 30, "A100 40GB": 39 * 2 ** 30}
+PLAN_MARGIN = 0.9  # a case fits when its predicted peak is at most this share of the card
+
+
+def plan_check(card: str = "H100 80GB", tiny: bool = False, stages: list[str] | None = None, emit=print) -> dict:
+    """What a CPU cannot execute, planned: for every benchmark stage's family, resolution and update case, the
+    micro-batch the real run picks (the same batch-selection code), the predicted peak of the timed step and of
+    the FLOP-counting step beside the card; every stage's rollout plans built; the budgets summed. Returns the
+    plan with ``problems`` (empty when everything fits)."""
+    from .errors import ConfigError
+    from .gpu_bench import UPDATE_CASES, auto_batch, rollout_plan
+
+    capacity = CARDS[card]
+    cpu = __import__("torch").device("cpu")
+    rows, problems = [], []
+    for name in stages or list(STAGES):
+        if name not in BENCH:
+            continue
+        family, sizes = BENCH[name]
+        for px, (steps, chains) in sizes.items():  # the real run's rollout plans, built (cheap) even for --tiny
+            for tree in (False, True):
+                try:
+                    rollout_plan(tree, steps, chains)
+                except ValueError as exc:
+                    problems.append(f"{name}: the {'tree' if tree else 'flat'} rollout at {px} px: {exc}")
+        if tiny:
+            sizes = {32: (4, 4)}
+        for px, (steps, chains) in sizes.items():
+            for case in ("update", "update checkpointing"):
+                ckpt = UPDATE_CASES[case][1]
+                try:
+                    batch, why = auto_batch(family, px, cpu, ckpt, 16, capacity)
+                except ConfigError as exc:  # not even one edge fits the card
+                    problems.append(f"{name}: {case} at {px} px: {exc}")
+                    continue
+                timed = why["state_gib"] + batch * why["activations_per_input_gib"]
+                # the FLOPs are counted on one edge without checkpointing
+                plain = auto_batch(family, px, cpu, False, 16, capacity)[1]
+                counting = plain["state_gib"] + plain["activations_per_input_gib"]
+                peak = max(timed, counting)
+                row = {"stage": name, "family": family, "px": px, "case": case, "batch": batch,
+                       "timed_step_gib": round(timed, 1), "flop_count_step_gib": round(counting, 1),
+                       "card_gib": round(capacity / 2 ** 30, 1), "share": round(peak * 2 ** 30 / capacity, 3)}
+                rows.append(row)
+                emit(json.dumps(row))
+                if peak * 2 ** 30 > PLAN_MARGIN * capacity:
+                    problems.append(f"{name}: {case} at {px} px, batch {batch}: predicted peak {peak:.1f} GiB of "
+                                    f"{capacity / 2 ** 30:.0f} GiB ({PLAN_MARGIN:.0%} allowed)")
+    total = sum(STAGES[s] for s in stages or STAGES)
+    if total > 420:
+        problems.append(f"the stages' budgets add up to {total} s, over the 7 minutes a device call leaves for them")
+    return {"card": card, "budget_total_s": total, "budgets": dict(STAGES), "cases": rows, "problems": problems}

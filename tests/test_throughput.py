@@ -190,3 +190,36 @@ def test_a_stage_that_runs_out_of_time_keeps_the_rows_it_wrote(tmp_path, monkeyp
     assert lines == [f"gpu-check: bench-flux1: timeout in {stage['seconds']} s, 2 rows kept"]
     table = (tmp_path / "check/gpu_check.md").read_text()
     assert "| bench-flux1 | timeout | " in table and "| rollout flat | 1.5 |" in table
+
+
+@pytest.mark.heavy
+def test_gpu_check_plan_sizes_every_case_for_an_h100_and_names_one_that_does_not_fit(capsys, monkeypatch):
+    """`flowrl gpu-check --plan --tiny` (about 2 minutes on two cores): the real run's batch selection for every benchmark case on the tiny models
+    against an 80 GB card, every rollout plan built, the budgets summed within 7 minutes; a tree that cannot be built
+    and a card too small are named in one line."""
+    from flowrl import gpu_check
+    from flowrl.cli import main
+
+    assert main(["gpu-check", "--plan", "--tiny"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["problems"] == [] and plan["budget_total_s"] <= 420
+    assert {r["stage"] for r in plan["cases"]} == {s for s in gpu_check.STAGES if s in gpu_check.BENCH}
+    assert all(r["share"] <= 0.9 and r["batch"] >= 1 for r in plan["cases"])
+    monkeypatch.setitem(gpu_check.BENCH, "bench-zimage", ("zimage", {512: (8, 16)}))  # main 7d7dfac's zimage tree
+    problems = gpu_check.plan_check("H100 80GB", tiny=True, stages=["bench-zimage"], emit=lambda line: None)["problems"]
+    assert any("bench-zimage: the tree rollout at 512 px: a tree of 16 leaves" in p for p in problems)
+    monkeypatch.setitem(gpu_check.CARDS, "H100 80GB", 2 ** 20)  # a 1 MiB card: nothing fits
+    assert main(["gpu-check", "--plan", "--tiny", "--only", "bench-sd35m"]) == 2
+    assert "gpu-check --plan: bench-sd35m: update at 32 px: train.micro_batch=auto: not even one input fits" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.heavy
+def test_gpu_check_plan_at_real_size_fits_an_h100(capsys):
+    """The real-size plan (every family's published architecture, measured on replicas on the CPU; about 3 minutes
+    on two cores): every case within 90% of an 80 GB card."""
+    from flowrl.cli import main
+
+    assert main(["gpu-check", "--plan"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["problems"] == [] and max(r["share"] for r in plan["cases"]) <= 0.9

@@ -18,6 +18,15 @@ def cmd_gpu_check(args) -> int:
     if args.stage:  # one stage, in the process run_check started for it
         run_stage(args.stage, args.tiny, Path(args.stage_out))
         return 0
+    if args.plan:  # a dry run on the CPU: every case's micro-batch and predicted peak for the named card
+        from ..gpu_check import plan_check
+
+        plan = plan_check(args.card, args.tiny, args.only, emit=lambda line: print(line, file=sys.stderr))
+        print(json.dumps(plan, indent=1))
+        if plan["problems"]:
+            raise FlowRLError(f"gpu-check --plan: {plan['problems'][0]}" + (
+                f" (and {len(plan['problems']) - 1} more)" if len(plan["problems"]) > 1 else ""))
+        return 0
     if not args.tiny and not torch_cuda_available():
         raise FlowRLError("gpu-check: no CUDA device here; run it on a GPU machine, or add --tiny for the CPU check")
     unknown = [s for s in args.only or [] if s not in STAGES]
@@ -67,6 +76,15 @@ def cmd_bench(args) -> int:
 def cmd_bench_gpu(args) -> int:
     from ..gpu_bench import run_gpu_bench
 
+    if args.plan:  # a dry run on the CPU: every case's micro-batch and predicted peak for the named card
+        from ..gpu_check import plan_check
+
+        plan = plan_check(args.card, args.tiny, args.only, emit=lambda line: print(line, file=sys.stderr))
+        print(json.dumps(plan, indent=1))
+        if plan["problems"]:
+            raise FlowRLError(f"gpu-check --plan: {plan['problems'][0]}" + (
+                f" (and {len(plan['problems']) - 1} more)" if len(plan["problems"]) > 1 else ""))
+        return 0
     if not args.tiny and not torch_cuda_available():
         raise FlowRLError("bench-gpu: no CUDA device here; run it on a GPU machine, or add --tiny for the CPU check")
     rows = run_gpu_bench(tuple(args.families), tuple(args.resolutions), args.batch, args.prompts, args.peak_tflops,
@@ -86,6 +104,11 @@ def add_parsers(sub) -> None:
     gc.add_argument("--tiny", action="store_true", help="the same stages on a CPU with tiny models")
     gc.add_argument("--out", default="gpu_check", help="folder for gpu_check.json and gpu_check.md (a new one)")
     gc.add_argument("--only", nargs="+", metavar="STAGE", help="run only these stages")
+    gc.add_argument("--plan", action="store_true", help="a dry run on the CPU: every benchmark case's micro-batch and "
+                    "predicted peak memory on --card (the real run's batch selection), every rollout plan built, the "
+                    "budgets summed; fails in one line naming a case that would not fit")
+    gc.add_argument("--card", default="H100 80GB", choices=["H100 80GB", "H200", "A100 80GB", "A100 40GB"],
+                    help="the card --plan sizes for")
     gc.add_argument("--stage", help=argparse.SUPPRESS)
     gc.add_argument("--stage-out", help=argparse.SUPPRESS)
     gc.set_defaults(func=cmd_gpu_check)
