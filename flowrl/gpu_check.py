@@ -260,7 +260,10 @@ def _end_to_end(tiny: bool, emit) -> dict:
     start = time.perf_counter()
     config = ["configs/sd35m_flow_grpo.yaml", "train.iterations=2", "train.prompts_per_iter=2",
               "algorithm.group_size=4", "rewards[0].name=flowrl.rewards.pickscore:RandomPickScore",
-              "log.eval=none", "data.sample_seeds=[0]", "sampler.eval_num_steps=4", "log.save_every=0"]
+              "log.eval=none", "data.sample_seeds=[0]", "sampler.eval_num_steps=4", "log.save_every=0",
+              # the update's CFG halves in one call with gradient through both, as the rollout made them: the
+              # rollout-composition iteration then recomputes the rollout's exact calls (both iterations alike)
+              "train.cfg_unconditional_grad=true"]
     if tiny:  # the same pipeline classes shrunk, fp32 on the CPU
         config += ["model.pretrained=random-sd3.5-medium-shrunk", "model.resolution=64", "model.dtype=fp32",
                    "train.mixed_precision=no", "rewards[0].args={scale: flow_grpo, shrunk: true}"]

@@ -42,6 +42,20 @@ from .sharding import check_context, check_options, launch_config
 from .stop_signal import SigtermNoted
 from .throughput import FlopMeter, WorkCounts, device_peak_tflops, rates
 
+def progress_kl(row: dict, train_cfg) -> dict:
+    """The progress bar's KL: the measured KL to the reference that the run pays for (``kl_loss``, and at the
+    untrained steps ``kl_untrained``) where a KL penalty is on; else PPO's approximate KL between the update's
+    policy and the rollout's (0 by construction on the first of one minibatch, so shown only as ``approx_kl``)."""
+    out = {}
+    if train_cfg.kl_beta > 0 and "kl_loss" in row:
+        out["kl_ref"] = f"{row['kl_loss']:.1e}"
+    if train_cfg.kl_untrained_beta > 0 and "kl_untrained" in row:
+        out["kl_untrained"] = f"{row['kl_untrained']:.1e}"
+    if not out and "approx_kl" in row:
+        out["approx_kl"] = f"{row['approx_kl']:.1e}"
+    return out
+
+
 class Trainer:
     """Setup plus the loop: loads the model, the algorithm, rewards and the run folder, then runs iterations.
 
@@ -159,8 +173,7 @@ class Trainer:
                 callback.on_train_begin(self)
             for it in bar:
                 row = self.iteration(it)
-                bar.set_postfix({"reward": f"{row['reward_mean/total']:.4f}",  # the KL where the objective measures one
-                                 **({"kl": f"{row['approx_kl']:.1e}"} if "approx_kl" in row else {})})
+                bar.set_postfix({"reward": f"{row['reward_mean/total']:.4f}", **progress_kl(row, cfg.train)})
                 stops = [s for s in (c.on_iteration_end(self, it, row) for c in self.callbacks) if s]
                 for reason in stops:
                     bar.write(reason)

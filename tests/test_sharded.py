@@ -365,8 +365,10 @@ def test_context_parallel_equals_one_process(tmp_path, case):
     one, cp = _rows(tmp_path / "one"), _rows(tmp_path / "cp")
     for a, b in zip(one, cp):
         assert b["leaves"] == a["leaves"] and b["nfe_train"] == a["nfe_train"]  # each sample once, not per process
-        assert b["reward_mean/total"] == pytest.approx(a["reward_mean/total"], rel=1e-5)
-        assert b["reward_std/total"] == pytest.approx(a["reward_std/total"], rel=1e-4)
+        # a mean near zero (the tiny models' rewards are O(1)): relative and, from float32's epsilon, absolute
+        f32 = 8 * torch.finfo(torch.float32).eps * max(1.0, abs(a["reward_std/total"]))
+        assert b["reward_mean/total"] == pytest.approx(a["reward_mean/total"], rel=1e-5, abs=f32)
+        assert b["reward_std/total"] == pytest.approx(a["reward_std/total"], rel=1e-4, abs=f32)
         for k in ("grad_norm", "ratio_mean", "approx_kl", "kl_loss"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-9), k
     ckpt = "checkpoints/iter_00001"
