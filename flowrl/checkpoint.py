@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from .digests import digest_problem, write_digests
+from .digests import digest_problem, recorded, write_digests
 from .errors import ConfigError, FlowRLError
 from .sharded_checkpoint import lora_metadata, lora_state_dict  # noqa: F401 (callers import them from here too)
 
@@ -119,6 +119,31 @@ def _safetensors_problem(path: Path) -> str | None:
     return None if 8 + n + end == size else f"{path.name} is cut short ({size} of {8 + n + end} bytes)"
 
 
+_WARNED_UNVERIFIED: set[str] = set()
+
+
+def _unverified_weights_problem(path: Path) -> str | None:
+    """A weights file without a digest: usable only when every tensor in it is finite (said once per file)."""
+    import sys
+
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            for key in fh.keys():
+                t = fh.get_tensor(key)
+                if t.is_floating_point() and not torch.isfinite(t).all():
+                    return (f"{path.name} has no digest in digests.json and holds non-finite values ({key}); it "
+                            "cannot be verified")
+    except Exception as exc:  # noqa: BLE001 (any failure means the file cannot be used)
+        return f"{path.name} is unreadable ({type(exc).__name__})"
+    if str(path) not in _WARNED_UNVERIFIED:
+        _WARNED_UNVERIFIED.add(str(path))
+        print(f"warning: {path} has no digest in digests.json (an older checkpoint, or its entry was removed); used "
+              "because every tensor in it is finite", file=sys.stderr)
+    return None
+
+
 def checkpoint_problem(ckpt: Path) -> str | None:
     """None if the checkpoint folder is whole (state.json, trainer state, weights), else why not."""
     ckpt = Path(ckpt)
@@ -144,6 +169,12 @@ def checkpoint_problem(ckpt: Path) -> str | None:
         problem = _safetensors_problem(w)
         if problem:
             return problem
+    covered = recorded(ckpt)
+    for w in weights:  # a weights file no digest covers (an older layout, or an entry removed) is read, not trusted
+        if str(w.relative_to(ckpt)) not in covered:
+            problem = _unverified_weights_problem(w)
+            if problem:
+                return problem
     if not state.get("sharded"):
         try:  # a zip cut short fails here without reading the tensors (mmap)
             torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)

@@ -45,6 +45,10 @@ def digest_problem(folder: Path) -> str | None:
         assert isinstance(record, dict) and all(isinstance(v, str) for v in record.values())
     except (OSError, ValueError, AssertionError):
         return f"{DIGESTS} is unreadable"
+    outside = next((name for name in record if Path(name).is_absolute() or ".." in Path(name).parts
+                    or not name or "\\" in name), None)
+    if outside is not None:
+        return f"{DIGESTS} names {outside!r}, which is not a file inside the checkpoint"
     files = [Path(folder) / name for name in record]
     missing = [f for f in files if not f.is_file()]
     if missing:
@@ -55,3 +59,12 @@ def digest_problem(folder: Path) -> str | None:
         if actual != expected:
             return f"{name} differs from the file saved (its SHA-256 does not match digests.json)"
     return None
+
+
+def recorded(folder: Path) -> set[str]:
+    """The file names (relative to ``folder``) that ``digests.json`` covers; empty when it is absent or unreadable."""
+    try:
+        record = json.loads((Path(folder) / DIGESTS).read_text())
+    except (OSError, ValueError):
+        return set()
+    return set(record) if isinstance(record, dict) else set()

@@ -172,3 +172,49 @@ def test_pretrain_numbers_are_checked_before_work(tmp_path, capsys, option, valu
     assert code == 2
     assert len(err) == 1 and expected in err[0], err
     assert not (tmp_path / "w").exists() and not (tmp_path / "x").exists()
+
+
+# --------------------------------------------------------------------- U: digests checked, not assumed
+def _flip_to_nan(path: Path) -> None:
+    """Overwrite the first float32 of the file's first tensor with a NaN (what a flipped exponent byte can give)."""
+    import json as _json
+
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    header = _json.loads(raw[8:8 + n])
+    first = next(v for k, v in header.items() if k != "__metadata__")
+    start = 8 + n + first["data_offsets"][0]
+    raw[start:start + 4] = bytes.fromhex("0000c07f")  # float32 NaN, little-endian
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("digests", ["entry removed", "empty"])
+def test_weights_without_a_digest_are_checked_and_non_finite_ones_refused(finished_run, tmp_path, capsys, digests):
+    import json as _json
+
+    run = tmp_path / "r"
+    shutil.copytree(finished_run, run)
+    ckpt = run / "checkpoints" / "iter_00000"
+    weights = ckpt / "pytorch_lora_weights.safetensors"
+    record = _json.loads((ckpt / "digests.json").read_text())
+    record = {} if digests == "empty" else {k: v for k, v in record.items() if k != weights.name}
+    (ckpt / "digests.json").write_text(_json.dumps(record))
+    code, err = cli(capsys, "export", run, "--out", tmp_path / "lora")  # whole, unverified: used with a warning
+    assert code == 0 and any("has no digest" in e and "every tensor in it is finite" in e for e in err)
+    _flip_to_nan(weights)
+    code, err = cli(capsys, "export", ckpt, "--out", tmp_path / "nan")
+    assert code == 2 and not (tmp_path / "nan").exists()
+    one_error(err, "has no digest in digests.json and holds non-finite values")
+
+
+def test_a_digest_naming_a_file_outside_the_checkpoint_is_named(finished_run, tmp_path, capsys):
+    import json as _json
+
+    run = tmp_path / "r"
+    shutil.copytree(finished_run, run)
+    ckpt = run / "checkpoints" / "iter_00000"
+    for name in ("/etc/passwd", "../../config.yaml"):
+        (ckpt / "digests.json").write_text(_json.dumps({name: "0" * 64}))
+        code, err = cli(capsys, "export", ckpt, "--out", tmp_path / "x")
+        assert code == 2
+        one_error(err, f"digests.json names {name!r}, which is not a file inside the checkpoint")
