@@ -306,8 +306,10 @@ class TrainConfig(Section):
         choices=["micro_batch", "rollout"])
     cfg: bool = opt(True, "apply CFG in the training forward when guidance_scale > 1")
     cfg_unconditional_grad: bool = opt(False, "with train.cfg: also back-propagate through the unconditional "
-                                       "(negative-prompt) half of CFG. false, as Flow-GRPO's published update: that "
-                                       "half is a constant, computed without autograd (less update work)")
+                                       "(negative-prompt) half of CFG. Left out, each method's published choice: "
+                                       "false for Flow-GRPO and the methods built on its update (that half is a "
+                                       "constant, computed without autograd), true for GARDO and TempFlow-GRPO, "
+                                       "whose released updates keep it")
     mixed_precision: str = opt("no", "autocast of the transformer's forward; latents, SDE maths and trainable weights "
                                "stay fp32", choices=["no", "fp16", "bf16"])
     optimizer: str = opt("adamw", "adamw (fused on CUDA) or adamw_8bit (bitsandbytes, CUDA)",
@@ -717,6 +719,9 @@ def validate(cfg: Config) -> None:
     for key, value in getattr(algorithm_class(cfg.algorithm.name), "advantage_defaults", {}).items():
         if key not in cfg.advantage.model_fields_set:
             setattr(cfg.advantage, key, value)
+    if "cfg_unconditional_grad" not in cfg.train.model_fields_set:  # the method's published choice
+        cfg.train.cfg_unconditional_grad = bool(getattr(algorithm_class(cfg.algorithm.name),
+                                                        "cfg_unconditional_grad", False))
     if not cfg.rewards:
         raise ConfigError("rewards: list at least one reward, e.g. rewards=[{name: jpeg_compressibility}]")
     if cfg.advantage.combine == "per_reward" and cfg.advantage.zero_variance in ("tracker", "drop_refill"):

@@ -177,3 +177,58 @@ def test_gardo_refuses_a_missing_diversity_model_before_any_work(tmp_path):
     with pytest.raises(RewardError, match="no/such/dino is neither a local folder nor a Hugging Face repository id"):
         Trainer(cfg)
     assert not any(tmp_path.rglob("config.yaml"))  # no run folder
+
+
+def _reset_decisions(algo, stream, rows_per_mb: int, threshold: float) -> list[bool]:
+    """Our reset decision per iteration: each micro-batch's KL rows through GARDO.loss_rows, their mean over the
+    minibatch (what kl_loss_step_max reads with one minibatch), against the threshold."""
+    from flowrl.algorithms.base import Unit
+
+    out = []
+    for kls, gates in stream:
+        algo.gate_nodes = [None, gates.double()]
+        algo.gate_share = float(gates.float().mean())
+        rows = []
+        for a in range(0, len(kls), rows_per_mb):
+            items = [[Unit(0, 0, [c])] for c in range(a, min(a + rows_per_mb, len(kls)))]
+            z = torch.zeros(len(items))
+            rows.append(algo.loss_rows(items, z, z, z, kls[a:a + rows_per_mb].clone(), z)[2])
+        out.append(float(torch.cat(rows).mean()) > threshold)
+    return out
+
+
+def test_the_reset_statistic_is_the_published_mean_over_micro_batches():
+    """GARDO's code averages the gated KL within each micro-batch (0 where none is gated), then over micro-batches.
+    On a synthetic stream at the published size (1,152 samples in micro-batches of 9, 2.5-4.9% gated, 300
+    iterations) the default (micro_batch) takes every reset decision the published rule takes; averaging over the
+    gated rows instead (kl_average=gated) is about 4x larger and disagrees often."""
+    from flowrl.algorithms.gardo import GARDO
+    from flowrl.config import load_config
+
+    cfg = load_config("configs/tiny_shapes_gardo.yaml")
+    gen = torch.Generator().manual_seed(0)
+    stream = []
+    for _ in range(300):
+        share = 0.025 + 0.024 * float(torch.rand((), generator=gen))
+        gates = torch.rand(1152, generator=gen) < share
+        kls = torch.exp(torch.randn(1152, generator=gen) * 0.8) * 2e-3  # per-sample KL, median 2e-3
+        stream.append((kls, gates))
+    threshold = 7.5e-4  # near the published statistic (about 2.7e-3 x the share of micro-batches with a gated sample)
+
+    def published(kls, gates):  # the code's statistic, written out
+        means = []
+        for a in range(0, 1152, 9):
+            g = gates[a:a + 9]
+            means.append(float(kls[a:a + 9][g].mean()) if g.any() else 0.0)
+        return sum(means) / len(means) > threshold
+
+    truth = [published(k, g) for k, g in stream]
+    ours = _reset_decisions(GARDO(cfg), stream, 9, threshold)
+    gated_cfg = load_config("configs/tiny_shapes_gardo.yaml", ["algorithm.kl_average=gated"])
+    other = _reset_decisions(GARDO(gated_cfg), stream, 9, threshold)
+    agree = sum(a == b for a, b in zip(ours, truth))
+    agree_other = sum(a == b for a, b in zip(other, truth))
+    print(f"reset decisions agreeing with the published rule: micro_batch {agree}/300, gated {agree_other}/300; "
+          f"published resets {sum(truth)}")
+    assert agree == 300 and 0 < sum(truth) < 300
+    assert agree_other < 300

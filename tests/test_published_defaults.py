@@ -104,7 +104,8 @@ def test_dgpo_draws_its_training_sigmas_from_0_to_trunc_steps_inclusive():
 
 def test_dgpo_s_fast_ema_follows_every_optimizer_step_and_draws_rollouts_after_the_switch():
     """ema <- d ema + (1 - d) theta after every optimizer step s = 0, 1, ... with d = min(0.3, 0.001 s), from the
-    first step; the rollouts use it once switch_ema_ref steps are done; the count survives a resume."""
+    first step; the rollouts use it once more than switch_ema_ref steps are done (the code samples with the EMA
+    when ``global_step > switch_ema_ref``); the count survives a resume."""
     algo = _dgpo("algorithm.switch_ema_ref=3")
     decays = []
 
@@ -116,7 +117,7 @@ def test_dgpo_s_fast_ema_follows_every_optimizer_step_and_draws_rollouts_after_t
     for _ in range(5):
         sampled.append(algo.samples_with_old_policy(0))
         algo.follow_fast_ema(Policy())
-    assert decays == [min(0.3, 0.001 * s) for s in range(5)] and sampled == [False, False, False, True, True]
+    assert decays == [min(0.3, 0.001 * s) for s in range(5)] and sampled == [False, False, False, False, True]
     assert algo.old_decay(7) == 1.0  # nothing more at the iteration's end
     resumed = _dgpo("algorithm.switch_ema_ref=3")
     resumed.load_state_dict(algo.state_dict())
@@ -205,10 +206,10 @@ def test_gardo_resets_when_any_optimizer_step_passes_the_threshold(tmp_path):
     assert stats["gardo_reference_reset"] == 0.0
 
 
-def test_euphonium_normalises_the_gradient_by_the_whole_batch_as_published():
-    """Pixel-space tiny model and the mean-pixel reward: g = 1 / (2 n) on each of 2 x n elements. batch (the published
-    code): g / ||g|| over the batch = 1 / sqrt(2 n); sample: 1 / sqrt(n); the shift is lambda (sigma - sigma_next)
-    times that."""
+def test_euphonium_normalises_the_gradient_per_sample_as_the_published_sampler_calls_it():
+    """Pixel-space tiny model and the mean-pixel reward: g = 1 / (2 n) on each of 2 x n elements. The published
+    sampler calls its guided step one sample at a time, so its g / ||g|| is per sample: 1 / sqrt(n) (``sample``);
+    ``batch``: 1 / sqrt(2 n); the shift is lambda (sigma - sigma_next) times that."""
     from tests.test_reward_gradient import guided_pixel_step
 
     n = 3 * 32 * 32
@@ -234,3 +235,22 @@ def test_every_algorithm_s_config_runs_the_universal_checks():
         with pytest.raises(ConfigError, match="train.grpo_guard"):
             load_config(None, [f"algorithm.name={name}", "train.grpo_guard=true"])
     assert refusing >= 6  # the forward-process methods and reward backpropagation
+
+
+@pytest.mark.parametrize("name, kept, source", [
+    ("flow_grpo", False, "Flow-GRPO's training block computes the unconditional half without autograd"),
+    ("dance_grpo", False, "declares nothing: the package default, Flow-GRPO's choice"),
+    ("gardo", True, "train_sd3_grpo_gardo.py, compute_log_prob: both halves in the graph"),
+    ("tempflow_grpo", True, "scripts/train_sd3_pr.py: both halves in the graph"),
+])
+def test_the_cfg_gradient_default_is_each_method_s_published_choice(name, kept, source):
+    """train.cfg_unconditional_grad left out: the method's published value; set: the config's."""
+    from flowrl.config import load_config
+
+    base = {"gardo": "configs/sd35m_gardo.yaml", "tempflow_grpo": "configs/sd35m_tempflow_grpo.yaml"}.get(
+        name, "configs/sd35m_flow_grpo.yaml")
+    cfg = load_config(base, [] if name in ("gardo", "tempflow_grpo") else [f"algorithm.name={name}"])
+    assert cfg.train.cfg_unconditional_grad is kept, source
+    flipped = load_config(base, [f"train.cfg_unconditional_grad={str(not kept).lower()}"]
+                          + ([] if name in ("gardo", "tempflow_grpo") else [f"algorithm.name={name}"]))
+    assert flipped.train.cfg_unconditional_grad is (not kept)

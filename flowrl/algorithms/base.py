@@ -167,6 +167,9 @@ class Algorithm:
     refuses_grpo_guard: str | None = None
     # advantage settings of the published code that replace the package's where a config leaves them out
     advantage_defaults: dict = {}
+    # whether the published update back-propagates through CFG's unconditional half (train.cfg_unconditional_grad
+    # where a config leaves it out): Flow-GRPO's training block computes it without autograd
+    cfg_unconditional_grad: bool = False
     # a documented variant of another registered algorithm subclasses it and says so here (its difference in the
     # class docstring); every other algorithm subclasses only the abstract kinds
     variant_of: type | None = None

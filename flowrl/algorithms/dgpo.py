@@ -10,7 +10,7 @@ whose gradient is the group preference ``-log sigmoid(-S)``'s up to beta_dpo / G
 group_preference_loss`). A sample whose denoising ratio ``rho = exp(e_old - e)`` against a fast EMA of the weights
 has already moved past ``1 +- clip_range`` in its advantage's direction enters detached (:func:`flowrl.losses.
 dsm_clip`). The EMA follows the trained weights after every optimizer step from the first, with decay
-min(0.3, 0.001 s) at step s; the rollouts are drawn with it once ``switch_ema_ref`` optimizer steps are done, with
+min(0.3, 0.001 s) at step s; the rollouts are drawn with it once more than ``switch_ema_ref`` optimizer steps are done, with
 the trained weights before. Training sigmas: ``timesteps_per_sample`` grid indices drawn without replacement from
 0..``trunc_steps`` (both included), the same for the whole iteration. Defaults from the official code (SD3.5-M;
 beta_dpo 100, clip 0.05, 6 steps, 4 sigmas); its all-reduce of S across processes is not needed here, since a group
@@ -36,8 +36,8 @@ class DGPOOptions(GroupOptions):
                            "for GenEval)", lo=1)
     clip_range: float = opt(0.05, "c of the denoising-ratio clip against the fast EMA (the code: 0.05; 0.01 for "
                             "GenEval and OCR)", lo=0.0, lo_open=True)
-    switch_ema_ref: int = opt(200, "optimizer steps after which the rollouts are drawn with the fast EMA (the code: "
-                              "200; 500 for GenEval)", lo=0)
+    switch_ema_ref: int = opt(200, "the rollouts are drawn with the fast EMA once more than this many optimizer "
+                              "steps are done (the code: global_step > 200; 500 for GenEval)", lo=0)
 
 
 class DGPO(ForwardProcessAlgorithm):
@@ -78,7 +78,7 @@ class DGPO(ForwardProcessAlgorithm):
         return 1.0  # the EMA follows every optimizer step (follow_fast_ema), not the iteration
 
     def samples_with_old_policy(self, it: int) -> bool:
-        return self.optimizer_steps >= self.opts.switch_ema_ref
+        return self.optimizer_steps > self.opts.switch_ema_ref  # the code: global_step > switch_ema_ref
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "optimizer_steps": self.optimizer_steps}

@@ -8,8 +8,9 @@ along the gradient of the process reward r_p at the current state,
 
 with v held fixed (the gradient runs through the decoder and the reward, not the transformer), ``lambda =
 guidance_scale`` (or ``eta^2 / (2 kl_beta_guidance)`` when that is negative: the KL-regularised optimal-control
-reading, 0.01 with the published eta 0.25 and 3.125), and g optionally normalised (``normalize_gradient``: by the
-whole batch's norm as the published code, or per sample). The stored log-prob is
+reading, 0.01 with the published eta 0.25 and 3.125), and g optionally normalised (``normalize_gradient``: by each
+sample's own norm, which is what the published code computes, since its sampler calls the guided step one sample
+at a time; or by the whole batch's norm). The stored log-prob is
 the *unguided* transition's, as in the official code: the ratio is of the policy itself, so the update pulls the
 policy's own mean toward the guided moves, and guidance is what the policy internalises.
 
@@ -49,8 +50,10 @@ class EuphoniumOptions(DanceGRPOOptions):
     guidance_scale: float = opt(0.01, "lambda; negative: eta^2 / (2 kl_beta_guidance)")
     kl_beta_guidance: float = opt(3.125, "beta_KL of lambda = eta^2 / (2 beta_KL) (used when guidance_scale < 0)",
                                   lo=0.0, lo_open=True)
-    normalize_gradient: str = opt("none", "none; batch: divide g by the whole batch's norm (the published code); sample: "
-                                  "by each sample's own norm", choices=["none", "batch", "sample"])
+    normalize_gradient: str = opt("none", "none (the published script's default); sample: divide g by each sample's "
+                                  "own norm (what the published code's normalisation computes: its sampler calls "
+                                  "the step one sample at a time); batch: by the whole batch's norm (shrinks as "
+                                  "1/sqrt(batch))", choices=["none", "batch", "sample"])
     process_weight: float = opt(1.0, "weight of the process advantage (0 = outcome only, the code's 'none')",
                                 lo=0.0)
 

@@ -42,6 +42,12 @@ class GARDOOptions(TransitionOptions):
     reset_every: int = opt(15, "iterations after which the reference becomes the current weights", lo=1)
     kl_threshold: float = opt(3e-4, "an optimizer step whose mean KL exceeds this resets the reference", lo=0.0,
                               lo_open=True)
+    kl_average: str = opt("micro_batch", "how the gated KL is averaged, in the gradient and in the reset's "
+                          "statistic: micro_batch (the published code: the mean over each micro-batch's gated "
+                          "samples, a micro-batch without one counting 0, then the mean over micro-batches) or "
+                          "gated (over every gated sample of the minibatch at once: about 1/(1 - (1 - s)^m) times "
+                          "larger at gated share s and micro-batch size m, 4x at 3% and 9)",
+                          choices=["micro_batch", "gated"])
 
 
 def diversity_advantages(rewards: torch.Tensor, features: torch.Tensor, groups: torch.Tensor,
@@ -91,6 +97,8 @@ def kl_gate(main: torch.Tensor, auxiliaries: list[torch.Tensor], fraction: float
 
 
 class GARDO(TransitionAlgorithm):
+    # the published update (train_sd3_grpo_gardo.py, compute_log_prob) keeps CFG's unconditional half in the graph
+    cfg_unconditional_grad = True
     Options = GARDOOptions
 
     def __init__(self, cfg):
@@ -158,10 +166,17 @@ class GARDO(TransitionAlgorithm):
         self.history = (self.history + [level])[-20:]
 
     def loss_rows(self, items, log_prob, old_log_prob, adv, kl, step):
-        """The KL of the gated samples only, averaged over them (the rows' mean is over every edge)."""
+        """The KL of the gated samples only. The objective averages rows over the minibatch, so a row's KL is scaled
+        to give, per ``kl_average``: the mean over this micro-batch's gated rows (its m rows x kl / k gated; none
+        gated: 0), which the minibatch's mean turns into the mean over micro-batches of equal size, as the
+        published code averages them; or the mean over every gated row (kl / the gated share)."""
         gate = torch.tensor([float(self.gate_nodes[u.depth + 1][c]) for it in items for u in it for c in u.children],
                             device=kl.device)
-        kl = kl * gate / self.gate_share if self.gate_share > 0 else kl * 0
+        if self.opts.kl_average == "micro_batch":
+            gated = float(gate.sum())
+            kl = kl * gate * (gate.numel() / gated) if gated > 0 else kl * 0
+        else:
+            kl = kl * gate / self.gate_share if self.gate_share > 0 else kl * 0
         return log_prob - old_log_prob, adv, kl, step
 
     def make_objective(self, parts):

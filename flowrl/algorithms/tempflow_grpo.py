@@ -21,6 +21,8 @@ class TempFlowOptions(SideOptions):
 
 class TempFlowGRPO(SideBranchAlgorithm):
     Options = TempFlowOptions
+    # the released code (scripts/train_sd3_pr.py) keeps CFG's unconditional half in the graph
+    cfg_unconditional_grad = True
 
     def loss_weights(self, tree, masks) -> dict[int, float] | None:
         """Each trained step's transition std sigma_t sqrt(dt), times 2.25 (``scaled_std``) or over its mean across
