@@ -220,6 +220,7 @@ class Agreement:
     truth_std: float  # spread of the truth
     truth_se: float  # root-mean-square standard error of the truth
     per_step: dict = field(default_factory=dict)  # step -> {"transitions", "pearson", "truth_std", "truth_se"}
+    pearson_ci: tuple[float, float] = (float("nan"), float("nan"))  # 95% bootstrap interval over transitions
 
 
 def agreement(assigned: torch.Tensor, truth: torch.Tensor, se: torch.Tensor, steps: torch.Tensor) -> Agreement:
@@ -238,7 +239,25 @@ def agreement(assigned: torch.Tensor, truth: torch.Tensor, se: torch.Tensor, ste
         rs, _, sp, er = summary(assigned[m], truth[m], se[m])
         per[int(step)] = {"transitions": int(m.sum()), "pearson": rs, "truth_std": sp, "truth_se": er}
     return Agreement(int(truth.numel()), r, spearman(assigned, truth), sign,
-                     r * r if math.isfinite(r) else float("nan"), spread, err, per)
+                     r * r if math.isfinite(r) else float("nan"), spread, err, per, bootstrap_ci(assigned, truth))
+
+
+def bootstrap_ci(a: torch.Tensor, b: torch.Tensor, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """The 2.5% and 97.5% quantiles of the Pearson correlation over transitions drawn with replacement: how far
+    the correlation of this many transitions can move (its Monte Carlo noise included)."""
+    n = a.numel()
+    if n < 3:
+        return float("nan"), float("nan")
+    idx = torch.randint(n, (draws, n), generator=torch.Generator().manual_seed(seed))
+    x, y = a.double()[idx], b.double()[idx]  # (draws, n)
+    x, y = x - x.mean(1, keepdim=True), y - y.mean(1, keepdim=True)
+    den = (x.pow(2).sum(1) * y.pow(2).sum(1)).sqrt()
+    r = (x * y).sum(1) / den
+    r = r[torch.isfinite(r)]
+    if not r.numel():
+        return float("nan"), float("nan")
+    lo, hi = torch.quantile(r, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return lo, hi
 
 
 # ----------------------------------------------------------------------------------------- on a model
@@ -256,6 +275,7 @@ class LabelCredit:
     seconds: float
     skipped: str = ""  # why the label was not measured (not a transition method, ...)
     assigned_by_step: dict = field(default_factory=dict)  # step -> assigned advantages along the trajectories
+    transitions: list = field(default_factory=list)  # per trained transition: step, prompt, assigned, truth, SE
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "agreement"}
@@ -386,22 +406,26 @@ def measure_label(label: str, cfg, prompt_rows: list[int], draws: int, seed: int
         by_step.setdefault(e.step, []).append(e.assigned)
     kl_forward = 1 if cfg.train.kl_beta > 0 else 0  # the reference's forward on each trained transition
     per = (tree.nfe + len(transitions) * (1 + kl_forward)) / len(transitions)
+    raw = [{"step": e.step, "prompt": e.prompt, "assigned": e.assigned, "truth": float(t), "truth_se": float(se)}
+           for e, t, se in zip(transitions, truth.value, truth.se)]
     return LabelCredit(label, cfg.algorithm.name, agreement(assigned, truth.value, truth.se, steps), tree.nfe,
                        len(transitions), per, truth.evaluations, time.perf_counter() - t0,
-                       assigned_by_step=by_step)
+                       assigned_by_step=by_step, transitions=raw)
 
 
 def format_credit_table(results: list[LabelCredit]) -> str:
     """The credit table as Markdown (what the terminal shows too)."""
-    head = ("| label | algorithm | trained transitions | Pearson | Spearman | sign agreement | variance explained | "
-            "truth std | truth SE | evaluations per transition |")
-    lines = [head, "|" + "---|" * 10]
+    head = ("| label | algorithm | trained transitions | Pearson | Pearson 95% interval | Spearman | sign agreement | "
+            "variance explained | truth std | truth SE | evaluations per transition |")
+    lines = [head, "|" + "---|" * 11]
     for r in results:
         if r.agreement is None:
-            lines.append(f"| {r.label} | {r.algorithm} | {r.trained} | - | - | - | - | - | - | ({r.skipped}) |")
+            lines.append(f"| {r.label} | {r.algorithm} | {r.trained} | - | - | - | - | - | - | - | ({r.skipped}) |")
             continue
         a = r.agreement
-        lines.append(f"| {r.label} | {r.algorithm} | {r.trained} | {a.pearson:+.3f} | {a.spearman:+.3f} | "
+        lo, hi = a.pearson_ci
+        lines.append(f"| {r.label} | {r.algorithm} | {r.trained} | {a.pearson:+.3f} | {lo:+.2f} .. {hi:+.2f} | "
+                     f"{a.spearman:+.3f} | "
                      f"{a.sign:.3f} | {a.explained:.3f} | {a.truth_std:.4f} | {a.truth_se:.4f} | "
                      f"{r.evaluations_per_transition:.2f} |")
     return "\n".join(lines)

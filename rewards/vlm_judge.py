@@ -55,12 +55,24 @@ class JudgeFailure(Exception):
     """A request that failed after its retries, or an answer that could not be parsed."""
 
 
-def parse_score(answer: str) -> float:
-    """The score an answer gives: the number after "score", else the only number in it."""
-    labelled = re.search(r"score\s*[:=]?\s*(-?\d+(?:\.\d+)?)", answer, re.IGNORECASE)
+NUMBER = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"
+
+
+def parse_score(answer: str, out_of: float | None = None) -> float:
+    """The score an answer gives: the number after "score", else the only number in it; ``7/10`` and
+    ``Score: 10/10`` give the numerator, and a denominator other than ``out_of`` (the template's top) is a failed
+    answer, not a score on another scale."""
+    fraction = re.search(rf"(?:score\s*[:=]?\s*)?({NUMBER})\s*/\s*({NUMBER})", answer, re.IGNORECASE)
+    if fraction:
+        value, top = float(fraction.group(1)), float(fraction.group(2))
+        if out_of is not None and top != out_of:
+            raise JudgeFailure(f"the answer scores out of {top:g}, the template asks for a score out of {out_of:g}: "
+                               f"{answer[:80]!r}")
+        return value
+    labelled = re.search(rf"score\s*[:=]?\s*({NUMBER})", answer, re.IGNORECASE)
     if labelled:
         return float(labelled.group(1))
-    numbers = re.findall(r"-?\d+(?:\.\d+)?", answer)
+    numbers = re.findall(NUMBER, answer)
     if len(numbers) == 1:
         return float(numbers[0])
     raise JudgeFailure(f"no single score in the answer {answer[:80]!r}")
@@ -108,14 +120,22 @@ class VLMJudge:
         self.url = url.rstrip("/") + "/chat/completions"
         self.model, self.template_name = model, template
         self.template = TEMPLATES.get(template, template)
-        self.parse = parse_yes_no if template == "yes_no" else parse_score
         self.scale = scale if scale is not None else (10.0 if template in ("quality", "edit") else 1.0)
+        if not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale) and self.scale > 0):
+            raise RewardError(f"vlm_judge: scale divides the answer's number and must be a positive number, not "
+                              f"{scale!r}")
         self.shows_source = template == "edit"  # the request's source image goes first
         # the numbers an answer may give (the template's own scale); outside it the answer fails like an unreadable one
         default_range = {"quality": (1.0, 10.0), "edit": (1.0, 10.0), "yes_no": (0.0, 1.0)}.get(template)
         self.answer_range = tuple(answer_range) if answer_range is not None else default_range
-        if self.answer_range is not None and (len(self.answer_range) != 2 or self.answer_range[0] > self.answer_range[1]):
-            raise RewardError(f"vlm_judge: answer_range must be [low, high] with low <= high, not {answer_range!r}")
+        if self.answer_range is not None and (
+                len(self.answer_range) != 2
+                or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in self.answer_range)
+                or self.answer_range[0] > self.answer_range[1]):
+            raise RewardError(f"vlm_judge: answer_range must be [low, high], two finite numbers with low <= high, not "
+                              f"{answer_range!r}")
+        top = self.answer_range[1] if self.answer_range is not None else None
+        self.parse = parse_yes_no if template == "yes_no" else (lambda answer: parse_score(answer, top))
         self.max_concurrency, self.timeout, self.retries = max_concurrency, timeout, retries
         self.on_failure, self.api_key = on_failure, os.environ.get(api_key_env)
         self.max_tokens, self.temperature = max_tokens, temperature

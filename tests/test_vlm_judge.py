@@ -147,3 +147,18 @@ def test_the_edit_template_shows_the_source_then_the_result(server, tmp_path):
     # the server scores how far the second image is from the first: white from black 10, black from black 1
     assert scores.tolist() == pytest.approx([1.0, 0.1])
     assert all('instruction: "make it white"' in c for c in Judge.calls)
+
+
+def test_every_documented_answer_form_parses_and_other_scales_fail():
+    from flowrl.errors import RewardError
+    from flowrl.rewards.vlm_judge import JudgeFailure, VLMJudge, parse_score
+
+    for answer, value in [("Score: 7", 7.0), ("7/10", 7.0), ("7", 7.0), ("10/10", 10.0), ("Score: 10/10", 10.0),
+                          ("Score: 1e3", 1000.0)]:  # 1e3 is read whole, then fails the template's 1..10 range
+        assert parse_score(answer, 10.0) == value, answer
+    for answer in ("Score: 7/100", "8 out of 10, maybe 9"):
+        with pytest.raises(JudgeFailure):
+            parse_score(answer, 10.0)
+    for kwargs in ({"scale": 0}, {"scale": -10}, {"scale": float("nan")}, {"answer_range": [float("nan")] * 2}):
+        with pytest.raises(RewardError):
+            VLMJudge(**kwargs)
