@@ -52,6 +52,8 @@ def _request_problem(images: torch.Tensor, prompts, metadata) -> str | None:
     """Why a decoded request cannot be scored (its shape, its pixel range, its prompt and metadata counts)."""
     if images.ndim not in (4, 5) or images.shape[-3] != 3:
         return f"images of shape {tuple(images.shape)}: send (N, 3, H, W) images or (N, F, 3, H, W) videos"
+    if images.numel() == 0:
+        return f"images of shape {tuple(images.shape)} hold no pixels: send at least one image of at least 1 x 1"
     low, high = float(images.min()), float(images.max())
     if low < -PIXEL_SLACK or high > 1 + PIXEL_SLACK:
         return f"pixel values span {low:.4g}..{high:.4g}: send images in [0, 1]"

@@ -406,3 +406,20 @@ def test_serve_reward_refuses_images_with_nan_or_inf(capsys):
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_serve_reward_answers_a_request_with_no_images():
+    """A request of 0 images gets a 400 that says so (the handler used to crash and the client got no answer)."""
+    from flowrl.rewards.remote import encode_request, make_server
+
+    srv = make_server("jpeg_incompressibility", {}, "127.0.0.1", 0)
+    port = srv.server_address[1]
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        body = encode_request(torch.zeros(0, 3, 8, 8), [], None)
+        head = f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        reply = raw_request(port, head, body)
+        assert b" 400 " in reply.split(b"\r\n")[0] and b"hold no pixels: send at least one image" in reply
+    finally:
+        srv.shutdown()
+        srv.server_close()
