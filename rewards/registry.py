@@ -69,6 +69,18 @@ def build_reward(name: str, **args) -> Callable:
         raise RewardError(f"reward {name!r}: bad arguments {args} ({exc})") from exc
 
 
+def check_score_range(name: str, score_range) -> None:
+    """A reward's declared ``score_range`` is None or (low, high): two numbers (not NaN) with low <= high."""
+    if score_range is None:
+        return
+    try:
+        low, high = (float(v) for v in score_range)
+    except (TypeError, ValueError):
+        raise RewardError(f"reward {name!r}: score_range {score_range!r} must be (low, high), two numbers") from None
+    if math.isnan(low) or math.isnan(high) or low > high:
+        raise RewardError(f"reward {name!r}: score_range {score_range!r} must be (low, high) with low <= high")
+
+
 @dataclass
 class RewardScores:
     total: torch.Tensor  # (N,) weighted sum, NaN where any component was not finite
@@ -101,6 +113,8 @@ class RewardSet:
     def __init__(self, items: list[tuple[str, float, Callable]]):
         if not items:
             raise RewardError("no rewards configured")
+        for name, _, fn in items:
+            check_score_range(name, getattr(fn, "score_range", None))
         self.items = items
         self.embedder: Callable | None = None  # images -> (N, D) features, returned with the scores when set
 
@@ -147,7 +161,7 @@ class RewardSet:
             low, high = getattr(fn, "score_range", None) or (-math.inf, math.inf)
             bad |= (scores < low) | (scores > high)  # outside what the reward can give: masked and counted
             invalid |= bad
-            components[name] = scores
+            components[name] = torch.where(bad, torch.full_like(scores, math.nan), scores)  # masked in every report
             total += weight * torch.where(bad, torch.zeros_like(scores), scores)
         total[invalid] = math.nan
         features = None

@@ -340,3 +340,26 @@ def test_seed_lists_take_ranges_and_sample_reports_the_seeds_it_drew(tmp_path, c
                  "--seeds", "0-2", "--steps", "2", "--out", str(tmp_path / "g.png")]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["seeds"] == [0, 1, 2] and report["columns"] == 3
+
+
+def test_eval_counts_out_of_range_scores_as_invalid_and_bad_ranges_are_refused():
+    """The reward table of `flowrl eval` masks a score just above the declared range as training does; an inverted
+    or malformed range is refused in one line when the reward set is built."""
+    from flowrl.errors import RewardError
+    from flowrl.evaluate import reward_table
+    from flowrl.rewards.registry import RewardSet
+
+    class Bounded:
+        score_range = (0.0, 1.0)
+
+        def __call__(self, images, prompts, metadata=None):
+            return torch.tensor([0.5, 1.0 + 1e-6])[: images.shape[0]]
+
+    summary, _ = reward_table(lambda prompts, seeds: torch.rand(len(prompts) * len(seeds), 3, 8, 8), ["a"], [{}],
+                              [0, 1], RewardSet([("bounded", 1.0, Bounded())]), progress=False)
+    row = next(r for r in summary if r["metric"] == "bounded")
+    assert (row["n"], row["invalid"], row["mean"]) == (1, 1, 0.5)
+    for bad in ((1.0, 0.0), ("low", 1), (float("nan"), 1.0), (0.0,)):
+        Bounded.score_range = bad
+        with pytest.raises(RewardError, match="score_range"):
+            RewardSet([("bounded", 1.0, Bounded())])
