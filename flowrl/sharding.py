@@ -79,7 +79,14 @@ def launch_config(cfg):
         train["gradient_checkpointing"] = True
     # flowrl builds its own (replicate, shard) mesh; accelerate's would be a second one it never uses
     env.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update=train)})
+    launched = cfg.model_copy(update={"train": cfg.train.model_copy(update=train)})
+    from .config import validate
+
+    try:  # the config's checks again, on what the launch turned on (a refusal that reads train.fsdp, say)
+        validate(launched)
+    except ConfigError as exc:
+        raise ConfigError(f"under this accelerate launch (FSDP2 on): {exc}") from None
+    return launched
 
 
 def check_options(cfg, device: torch.device, world: int) -> None:

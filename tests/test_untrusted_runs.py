@@ -218,3 +218,18 @@ def test_a_digest_naming_a_file_outside_the_checkpoint_is_named(finished_run, tm
         code, err = cli(capsys, "export", ckpt, "--out", tmp_path / "x")
         assert code == 2
         one_error(err, f"digests.json names {name!r}, which is not a file inside the checkpoint")
+
+
+# --------------------------------------------------------------------- AA: checks on what the launch turns on
+def test_a_refusal_that_reads_fsdp_sees_what_an_fsdp_launch_turns_on(monkeypatch):
+    from flowrl.config import load_config
+    from flowrl.errors import ConfigError
+    from flowrl.sharding import launch_config
+
+    cfg = load_config(ROOT / "configs/tiny_flow_grpo.yaml", ["train.update_composition=rollout"])  # fine alone
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    with pytest.raises(ConfigError, match=r"under this accelerate launch \(FSDP2 on\): "
+                                          r"train.update_composition=rollout: .*train.fsdp.enabled"):
+        launch_config(cfg)
+    assert launch_config(load_config(ROOT / "configs/tiny_flow_grpo.yaml")).train.fsdp.enabled
