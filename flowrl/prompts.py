@@ -180,6 +180,9 @@ def _read_dataset(datasets, name: str, split: str, prompt_column: str, metadata_
     for i, (p, given) in enumerate(zip(prompts, table[source_column])):
         keys = given if isinstance(given, list) else [given]
         keys = [remember_image(k) if hasattr(k, "convert") else k for k in keys]
+        if path.is_file() or path.is_dir():  # a relative path is read beside the local dataset, as documented
+            anchor = path if path.is_file() else path / "_"
+            keys = [_beside(anchor, k) if isinstance(k, str) else k for k in keys]
         requests.append(edit_prompt_from_row(p, {"sources": keys}, f"{where} row {i}"))
     return requests, metadata
 

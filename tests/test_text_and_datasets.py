@@ -160,3 +160,20 @@ def test_flowrl_eval_compare_puts_runs_side_by_side_with_paired_differences(tmp_
     assert float(rows[0]["a - base"]) == pytest.approx(trained - base, abs=1e-6)  # every pair scored: means differ
     assert float(rows[0]["a - base se"]) >= 0 and (tmp_path / "cmp/c_grid.png").is_file()
     assert json.loads((tmp_path / "cmp/c.json").read_text())["runs"] == ["base", "a"]
+
+
+def test_a_dataset_s_relative_source_paths_are_read_beside_it(tmp_path, monkeypatch):
+    """A parquet dataset's `source` column with a relative path: the image beside the dataset, whatever the working
+    folder (the documented rule, as for prompt files)."""
+    import datasets
+    from PIL import Image
+
+    from flowrl.prompts import read_dataset
+
+    folder = tmp_path / "data"
+    (folder / "img").mkdir(parents=True)
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(folder / "img" / "a.png")
+    datasets.Dataset.from_list([{"prompt": "make it blue", "source": "img/a.png"}]).to_parquet(str(folder / "d.parquet"))
+    monkeypatch.chdir(tmp_path)  # not the dataset's folder
+    prompts, _ = read_dataset(str(folder / "d.parquet"))
+    assert [str(s) for s in prompts[0].sources] == [str(folder / "img" / "a.png")]
