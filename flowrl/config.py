@@ -386,6 +386,8 @@ class LogConfig(Section):
         if value and (value in (".", "..") or any(c in value for c in "/\\\0") or value != value.strip()):
             raise ValueError(f"{value!r} is not a folder name; give one name without '/', '\\', '..' or surrounding "
                              "spaces (the run goes in log.output_dir/<run_name>; set log.output_dir for another place)")
+        if value and len(value.encode()) > 200:  # file systems allow 255 bytes; the run adds suffixes to it
+            raise ValueError(f"{len(value.encode())} bytes is too long for a folder name; give at most 200")
         return value
 
 

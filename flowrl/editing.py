@@ -95,10 +95,11 @@ def check_source(key: str, where: str) -> None:
         from PIL import Image
 
         with Image.open(path) as img:
-            img.verify()
+            img.load()  # the whole file: a truncated one fails here (its header alone would pass)
     except Exception as exc:  # PIL raises several types for a file it cannot read
-        raise ConfigError(f"{where}: cannot read source image {key} ({type(exc).__name__}); give a PNG, JPEG or "
-                          "WebP file") from exc
+        why = str(exc).strip().splitlines()[0][:80] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{where}: cannot read source image {key} ({why}); give a whole PNG, JPEG or WebP "
+                          "file") from exc
 
 
 # images a dataset's image column decoded, by their digest key ("memory:<sha256 of the pixels>")

@@ -233,3 +233,21 @@ def test_a_refusal_that_reads_fsdp_sees_what_an_fsdp_launch_turns_on(monkeypatch
                                           r"train.update_composition=rollout: .*train.fsdp.enabled"):
         launch_config(cfg)
     assert launch_config(load_config(ROOT / "configs/tiny_flow_grpo.yaml")).train.fsdp.enabled
+
+
+# --------------------------------------------------------------------- V: the right hint
+def test_a_truncated_jpeg_source_is_named_as_an_unreadable_image(tmp_path):
+    from PIL import Image
+
+    from flowrl.editing import check_source
+    from flowrl.errors import ConfigError
+
+    full = tmp_path / "full.jpg"
+    Image.new("RGB", (64, 64), (10, 200, 30)).save(full, quality=95)
+    cut = tmp_path / "cut.jpg"
+    cut.write_bytes(full.read_bytes()[: full.stat().st_size // 2])
+    check_source(str(full), "source")
+    with pytest.raises(ConfigError, match=r"(?i)source: cannot read source image .*cut.jpg \(.*truncated.*\); give a "
+                                          r"whole PNG, JPEG or WebP file") as err:
+        check_source(str(cut), "source")
+    assert "free space" not in str(err.value)
