@@ -157,6 +157,11 @@ def _safe_reader(folder: Path):
             except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
                 raise FlowRLError(f"{path}: refused to read it ({str(exc).splitlines()[0][:200] or type(exc).__name__}): "
                                   "a damaged or foreign checkpoint; use another checkpoint of the run") from exc
+            from torch.distributed.checkpoint.metadata import Metadata
+
+            if not isinstance(metadata, Metadata):  # a number, a list: well-formed pickle, not DCP's record
+                raise FlowRLError(f"{path}: holds a {type(metadata).__name__}, not a checkpoint's metadata: a damaged "
+                                  "or foreign checkpoint; use another checkpoint of the run")
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

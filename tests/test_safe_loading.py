@@ -250,3 +250,13 @@ def test_a_sigterm_during_a_checkpoint_save_stops_right_after_it(tmp_path, itera
     rows = [json.loads(line) for line in (tmp_path / "r/metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == list(range(stopped_after + 1))
     assert (tmp_path / f"r/checkpoints/iter_{stopped_after:05d}/digests.json").is_file()
+
+
+def test_a_metadata_file_holding_a_plain_number_is_one_line(tmp_path):
+    from flowrl.sharded_checkpoint import read_sharded_metadata
+
+    _genuine(tmp_path)
+    (tmp_path / "sharded" / ".metadata").write_bytes(pickle.dumps(5))
+    with pytest.raises(FlowRLError, match=r"holds a int, not a checkpoint's metadata") as err:
+        read_sharded_metadata(tmp_path)
+    assert "\n" not in str(err.value)
