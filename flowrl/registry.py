@@ -109,7 +109,7 @@ ALGORITHMS = Registry("algorithm.name", {
         ("delightful_pg", "DelightfulPG"), ("customized_grpo", "CustomizedGRPO"),
         ("awm", "AWM"), ("sft", "SFT"), ("online_dpo", "OnlineDPO"),
         ("dgpo", "DGPO"), ("gardo", "GARDO"), ("refl", "ReFL"), ("on_policy_distillation", "OnPolicyDistillation"),
-        ("euphonium", "Euphonium"), ("ac_flow", "ACFlow"),
+        ("euphonium", "Euphonium"), ("ac_flow", "ACFlow"), ("tree_grpo", "TreeGRPO"),
     ]
 }, group="flowrl_algorithms", kind=(lambda o: inspect.isclass(o) and hasattr(o, "Options") and hasattr(o, "plan"),
                                    "an algorithm class (a subclass of flowrl.algorithms.Algorithm)"))
