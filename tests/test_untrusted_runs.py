@@ -251,3 +251,59 @@ def test_a_truncated_jpeg_source_is_named_as_an_unreadable_image(tmp_path):
                                           r"whole PNG, JPEG or WebP file") as err:
         check_source(str(cut), "source")
     assert "free space" not in str(err.value)
+
+
+# --------------------------------------------------------------------- R: plug-ins checked for what they are
+@pytest.mark.parametrize("override, expected", [
+    ("algorithm.name=math:pi", "algorithm.name: 'math:pi' is float, not an algorithm class"),
+    ("algorithm.name=tests.test_untrusted_runs:crafted_run", "is crafted_run, not an algorithm class"),
+    ("model.family=math:sqrt", "model.family: 'math:sqrt' is sqrt, not a model adapter class"),
+    ("log.eval=os.path:join", "log.eval: 'os.path:join' is join, not an evaluator class"),
+    ("data.prompt_set=math:pi", "data.prompt_set: 'math:pi' is float, not a function returning prompts"),
+    ("algorithm.name=nosuchmodule_zz:X", "algorithm.name: cannot import module 'nosuchmodule_zz'"),
+    ("rewards=[{name: 'math:pi'}]", "reward: 'math:pi' is float, not a reward"),
+])
+def test_a_plug_in_that_is_not_what_its_key_needs_is_one_line(tmp_path, capsys, override, expected):
+    code, err = cli(capsys, "train", ROOT / "configs/tiny_flow_grpo.yaml", f"log.output_dir={tmp_path}", *FAST,
+                    override)
+    assert code == 2
+    one_error(err, expected)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_module_that_fails_as_it_loads_is_named(tmp_path, capsys, monkeypatch):
+    (tmp_path / "broken_plugin_qq.py").write_text("raise RuntimeError('half-written plug-in')\n")
+    monkeypatch.chdir(tmp_path)
+    code, err = cli(capsys, "train", ROOT / "configs/tiny_flow_grpo.yaml", f"log.output_dir={tmp_path / 'runs'}",
+                    *FAST, "algorithm.name=broken_plugin_qq:X")
+    assert code == 2
+    one_error(err, "importing module 'broken_plugin_qq' failed: RuntimeError: half-written plug-in")
+
+
+def test_a_broken_plug_in_command_leaves_every_other_command_working(capsys, monkeypatch):
+    from flowrl.registry import COMMANDS
+
+    def broken(sub):
+        raise RuntimeError("its parser is broken")
+
+    monkeypatch.setitem(COMMANDS, "broken-commands", broken)
+    assert main(["presets"]) == 0
+    assert "the plug-in commands 'broken-commands' are left out: its parser is broken" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------- P and Q: guard inputs, before any work
+@pytest.mark.parametrize("override, expected", [
+    ("guard.prompt_set=nosuch_set", "guard.prompt_set: unknown prompt set 'nosuch_set'"),
+    ("guard.seeds=[99999999999999999999]", "guard.seeds: seed 99999999999999999999 is outside"),
+    ("guard.seeds=[-1, 0]", "guard.seeds: seed -1 is outside"),
+    ("guard.seeds=[]", "guard.seeds: [] gives each prompt fewer than two samples"),
+    ("guard.seeds=[3]", "guard.seeds: [3] gives each prompt fewer than two samples"),
+    ("guard.watched=[{name: nosuch}]", "guard.watched: reward: unknown name 'nosuch'"),
+    ("guard.watched=[{name: 'math:pi'}]", "guard.watched: reward: 'math:pi' is float, not a reward"),
+])
+def test_guard_inputs_are_refused_before_a_model_loads(tmp_path, capsys, override, expected):
+    code, err = cli(capsys, "train", ROOT / "configs/tiny_flow_grpo.yaml", f"log.output_dir={tmp_path}",
+                    *[f for f in FAST if not f.startswith("guard.")], "train.iterations=30", override)
+    assert code == 2
+    one_error(err, expected)
+    assert not any(tmp_path.iterdir())
