@@ -112,8 +112,9 @@ def node_program(plan, index: int, lineage: int, side_stride: int, noise_level: 
     return out
 
 
-def true_advantages(tree, transitions: list[Transition], stepper: Stepper, reward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                    noise: torch.Tensor, noise_level: float, progress: Callable[[int], None] | None = None) -> Truth:
+def true_advantages(tree, transitions: list[Transition], stepper: Stepper,
+                    reward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], noise: torch.Tensor,
+                    noise_level: float, progress: Callable[[int], None] | None = None) -> Truth:
     """Monte Carlo ``Q(x_t, x_{t-1}) - V(x_t)`` of each transition (see the module's text).
 
     Args:

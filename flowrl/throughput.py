@@ -23,7 +23,8 @@ import math
 import torch
 
 # Dense bf16 tensor-core peak in TFLOP/s, by a substring of torch.cuda.get_device_name() (first match wins).
-PEAK_TFLOPS = [("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H800", 989.0), ("H20", 148.0),
+PEAK_TFLOPS = [("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H800", 989.0),
+               ("H20", 148.0),
                ("B200", 2250.0), ("GB200", 2500.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
                ("L40", 181.0), ("A6000", 155.0), ("RTX 4090", 165.0), ("A10", 125.0), ("L4", 121.0)]
 

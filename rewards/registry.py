@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowrl.errors import RewardError
+from flowrl.errors import FlowRLError, RewardError
 from flowrl.registry import Registry
 
 # rewards[].name: a factory (class or function) returning a scorer, imported on first use; installed packages add
@@ -223,7 +223,7 @@ def build_reward_set(specs) -> RewardSet:
             label = next(f"{label}_{k}" for k in range(2, len(items) + 3) if f"{label}_{k}" not in taken)
         try:
             scorer = build_reward(spec.name, **dict(spec.args))
-        except RewardError:
+        except FlowRLError:  # already one line that names the reward and what to change
             raise
         except Exception as exc:  # a user's factory that raises while building
             raise RewardError(f"reward {spec.name!r}: building it failed: {type(exc).__name__}: "

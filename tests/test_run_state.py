@@ -63,7 +63,8 @@ def test_a_second_writer_to_the_same_run_is_refused(tmp_path):
     Trainer(second).train()
     rows = [json.loads(x) for x in (tmp_path / "same" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1]
-    assert all(math.isfinite(r["evaluations_cum"]) for r in rows) and rows[1]["evaluations_cum"] > rows[0]["evaluations_cum"]
+    assert all(math.isfinite(r["evaluations_cum"]) for r in rows)
+    assert rows[1]["evaluations_cum"] > rows[0]["evaluations_cum"]
 
 
 def test_a_budget_in_evaluations_ends_the_run(tmp_path, capsys):
@@ -71,5 +72,6 @@ def test_a_budget_in_evaluations_ends_the_run(tmp_path, capsys):
                  *FAST, "train.iterations=50", "train.budget_evaluations=1"])
     assert code == 0
     rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 1 and rows[0]["evaluations_cum"] == rows[0]["evaluations_rollout"] + rows[0]["evaluations_update"]
+    assert len(rows) == 1
+    assert rows[0]["evaluations_cum"] == rows[0]["evaluations_rollout"] + rows[0]["evaluations_update"]
     assert "budget reached: 6 transformer evaluations of 1 after iteration 0" in capsys.readouterr().out

@@ -81,7 +81,8 @@ def cmd_credit(args) -> int:
         try:
             r = measure_label(name, cfg, rows, args.continuations, args.seed, args.antithetic, not args.quiet,
                               adapters)
-        except (FlowRLError, AttributeError, ValueError, RuntimeError) as exc:  # one method's failure: named, the rest run
+        # one method's failure is named in its row; the rest are measured
+        except (FlowRLError, AttributeError, ValueError, RuntimeError) as exc:
             why = (str(exc).strip().splitlines() or [""])[0][:160]
             r = LabelCredit(name, cfg.algorithm.name, None, 0, 0, float("nan"), 0, 0.0,
                             skipped=f"could not be measured here: {type(exc).__name__}: {why}")
