@@ -20,6 +20,7 @@ from .errors import ConfigError
 
 ABANDONED = "abandoned"
 MARKER = ".flowrl-run"  # written into every run folder when it opens: the folder is a run's, made by flowrl
+_HELD_LOCKS: dict[Path, list] = {}  # lock file -> [descriptor, holders in this process]
 
 
 def check_writable(path: Path, key: str) -> None:
@@ -65,12 +66,18 @@ class RunFolder:
 
     def lock(self) -> None:
         """One writer per run folder: an exclusive lock on ``.<run>.lock`` beside the folder (holding the writer's
-        pid), held until :meth:`unlock` or the process ends; a second ``train`` into the same run is refused in one
-        line before it writes anything."""
+        pid), held until :meth:`unlock` or the process ends; a second process's ``train`` into the same run is
+        refused in one line before it writes anything. Within one process a later trainer of the same run (a resume
+        in a notebook, say) shares the lock the process holds."""
         import fcntl
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        lock_path = self.path.parent / f".{self.path.name}.lock"
+        lock_path = (self.path.parent / f".{self.path.name}.lock").resolve()
+        held = _HELD_LOCKS.get(lock_path)
+        if held is not None:  # this process already writes the run: the same lock, counted once more
+            held[1] += 1
+            self._lock_path = lock_path
+            return
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -82,12 +89,17 @@ class RunFolder:
                               "end or choose another log.run_name") from None
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
-        self._lock_fd = fd
+        _HELD_LOCKS[lock_path] = [fd, 1]
+        self._lock_path = lock_path
 
     def unlock(self) -> None:
-        fd, self._lock_fd = getattr(self, "_lock_fd", None), None
-        if fd is not None:
-            os.close(fd)  # closing the descriptor releases the lock
+        lock_path, self._lock_path = getattr(self, "_lock_path", None), None
+        held = _HELD_LOCKS.get(lock_path) if lock_path is not None else None
+        if held is not None:
+            held[1] -= 1
+            if held[1] == 0:
+                del _HELD_LOCKS[lock_path]
+                os.close(held[0])  # closing the descriptor releases the lock
 
     def __del__(self):
         self.unlock()

@@ -49,7 +49,7 @@ def test_rank_table_by_hand(tmp_path, capsys):
     assert rows["noisy"]["significant"] is False
     assert rows["single"]["gain_se"] is None and rows["single"]["significant"] is None
     assert rows["better"]["watch_change"] == pytest.approx(4.0) and rows["base"]["seconds"] == pytest.approx(400.0)
-    assert "| 1 | better | 3 | +11.0 +- 0.6 | 60.0% -> 71.0% | 0.900 | +4.0 | 400 | 3840 | +5.0 (> 2 SE) |" in text
+    assert "| 1 | better | 3 | +11.0 +- 0.6 | 60.0% -> 71.0% | 0.900 | +4.0 | 2 | - | 400 | 3840 | +5.0 (> 2 SE) |" in text
     assert "| 4 | noisy | 3 | +6.0 +- 3.5 (> 1.5) |" in text and "+0.0 (within 2 SE) |" in text
     assert (tmp_path / "rank" / "rank.md").read_text().strip() == text.strip()
 

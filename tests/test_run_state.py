@@ -52,19 +52,37 @@ def test_a_damaged_best_eval_or_guard_file_is_named_and_set_aside_on_resume(tmp_
 
 
 def test_a_second_writer_to_the_same_run_is_refused(tmp_path):
+    """Another process holding the run's lock (simulated here by a second open file description of the lock file,
+    which flock treats as another holder) makes train refuse in one line; in one process a later trainer of the
+    same run shares its lock, and the lock goes with the last of them."""
+    import fcntl
+    import os
+
     cfg = load_config(ROOT / "configs/tiny_flow_grpo.yaml", [f"log.output_dir={tmp_path}", "log.run_name=same",
                                                               *FAST, "train.iterations=1"])
-    first = Trainer(cfg)
-    with pytest.raises(ConfigError, match=r"another flowrl train \(pid \d+\) is writing to"):
+    lock = tmp_path / ".same.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, b"4242")
+    with pytest.raises(ConfigError, match=r"another flowrl train \(pid 4242\) is writing to"):
         Trainer(cfg)
-    first.train()  # the first goes on, then lets go
+    os.close(fd)
+    first = Trainer(cfg)
+    first.train()
     second = load_config(ROOT / "configs/tiny_flow_grpo.yaml", [f"log.output_dir={tmp_path}", "log.run_name=same",
                                                                  *FAST, "train.iterations=2", "resume=latest"])
-    Trainer(second).train()
+    Trainer(second).train()  # the first trainer object is still alive: the same process shares its lock
     rows = [json.loads(x) for x in (tmp_path / "same" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1]
     assert all(math.isfinite(r["evaluations_cum"]) for r in rows)
     assert rows[1]["evaluations_cum"] > rows[0]["evaluations_cum"]
+    del first
+    import gc
+
+    gc.collect()
+    probe = os.open(lock, os.O_RDWR)
+    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released: another process could take it now
+    os.close(probe)
 
 
 def test_a_budget_in_evaluations_ends_the_run(tmp_path, capsys):

@@ -231,6 +231,13 @@ def rank_runs(run_dirs: list[Path], baseline: str | None = None, max_se: float =
     return table, base_label
 
 
+def _count(value) -> str:
+    """A whole count with thousands separators; '-' where the runs did not log it (older runs)."""
+    import math
+
+    return "-" if value is None or not math.isfinite(value) else f"{value:,.0f}"
+
+
 def format_rank_table(table: list[dict], baseline: str) -> str:
     """The ranked table as markdown (percentage points for gains; before -> after shows a preset evaluated on its own
     baseline, such as a CFG-free one)."""
@@ -245,8 +252,8 @@ def format_rank_table(table: list[dict], baseline: str) -> str:
                f"{100 * r['diff_vs_baseline']:+.1f} " + ("(> 2 SE)" if r["significant"] else "(within 2 SE)"))
         lines.append(f"| {i} | {r['label']} | {len(r['seeds'])} | {100 * r['gain_mean']:+.1f} +- {se} | "
                      f"{100 * r['before_mean']:.1f}% -> {100 * r['after_mean']:.1f}% | {r['reward_after']:.3f} | "
-                     f"{r['watch_change']:+.1f} | {r.get('iterations', float('nan')):.0f} | "
-                     f"{r.get('evaluations', float('nan')):,.0f} | {r['seconds']:.0f} | {r['rollouts']:.0f} | {sig} |")
+                     f"{r['watch_change']:+.1f} | {_count(r.get('iterations'))} | {_count(r.get('evaluations'))} | "
+                     f"{r['seconds']:.0f} | {r['rollouts']:.0f} | {sig} |")
     return "\n".join(lines)
 
 
