@@ -20,6 +20,7 @@ from .errors import ConfigError
 
 ABANDONED = "abandoned"
 MARKER = ".flowrl-run"  # written into every run folder when it opens: the folder is a run's, made by flowrl
+LOCK = ".lock"  # the run folder's lock file: one writer at a time (RunFolder.lock)
 _HELD_LOCKS: dict[Path, list] = {}  # lock file -> [descriptor, holders in this process]
 
 
@@ -65,14 +66,14 @@ class RunFolder:
         return folder
 
     def lock(self) -> None:
-        """One writer per run folder: an exclusive lock on ``.<run>.lock`` beside the folder (holding the writer's
-        pid), held until :meth:`unlock` or the process ends; a second process's ``train`` into the same run is
-        refused in one line before it writes anything. Within one process a later trainer of the same run (a resume
-        in a notebook, say) shares the lock the process holds."""
+        """One writer per run folder: an exclusive lock on the folder's ``.lock`` file (holding the writer's pid),
+        held until :meth:`unlock` or the process ends; a second process's ``train`` into the same run is refused in
+        one line before it writes anything. Within one process a later trainer of the same run (a resume in a
+        notebook, say) shares the lock the process holds."""
         import fcntl
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        lock_path = (self.path.parent / f".{self.path.name}.lock").resolve()
+        self.path.mkdir(parents=True, exist_ok=True)
+        lock_path = (self.path / LOCK).resolve()
         held = _HELD_LOCKS.get(lock_path)
         if held is not None:  # this process already writes the run: the same lock, counted once more
             held[1] += 1
@@ -109,7 +110,8 @@ class RunFolder:
 
     def foreign(self) -> bool:
         """The folder exists, is not empty and was not made by flowrl (it has no :data:`MARKER`)."""
-        return self.path.is_dir() and not (self.path / MARKER).is_file() and any(self.path.iterdir())
+        return self.path.is_dir() and not (self.path / MARKER).is_file() and any(
+            p.name != LOCK for p in self.path.iterdir())
 
     def holds_run(self) -> bool:
         return bool(report.read_metrics(self.metrics, warn=False)) or bool(self.checkpoints())

@@ -60,7 +60,8 @@ def test_a_second_writer_to_the_same_run_is_refused(tmp_path):
 
     cfg = load_config(ROOT / "configs/tiny_flow_grpo.yaml", [f"log.output_dir={tmp_path}", "log.run_name=same",
                                                               *FAST, "train.iterations=1"])
-    lock = tmp_path / ".same.lock"
+    (tmp_path / "same").mkdir()
+    lock = tmp_path / "same" / ".lock"
     fd = os.open(lock, os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.write(fd, b"4242")
