@@ -119,6 +119,29 @@ def _safetensors_problem(path: Path) -> str | None:
     return None if 8 + n + end == size else f"{path.name} is cut short ({size} of {8 + n + end} bytes)"
 
 
+def _shards_problem(ckpt: Path) -> str | None:
+    """A sharded checkpoint without digests: every shard file its metadata names is present and long enough for
+    the byte ranges the metadata gives it."""
+    from .errors import FlowRLError
+    from .sharded_checkpoint import SHARDED_DIR, read_sharded_metadata
+
+    try:
+        metadata = read_sharded_metadata(ckpt)
+    except FlowRLError as exc:
+        return str(exc).split(": ", 1)[-1]
+    ends: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        ends[name] = max(ends.get(name, 0), int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0)))
+    for name, end in sorted(ends.items()):
+        shard = Path(ckpt) / SHARDED_DIR / name
+        if not shard.is_file():
+            return f"{SHARDED_DIR}/{name} is missing"
+        if shard.stat().st_size < end:
+            return f"{SHARDED_DIR}/{name} is cut short ({shard.stat().st_size} of {end} bytes)"
+    return None
+
+
 _WARNED_UNVERIFIED: set[str] = set()
 
 
@@ -165,6 +188,10 @@ def checkpoint_problem(ckpt: Path) -> str | None:
     problem = digest_problem(ckpt)  # a cut, deleted or altered file (sharded shards included)
     if problem:
         return problem
+    if state.get("sharded") and not (ckpt / "digests.json").is_file():  # an older layout: the shards themselves
+        problem = _shards_problem(ckpt)
+        if problem:
+            return problem
     for w in weights:
         problem = _safetensors_problem(w)
         if problem:

@@ -260,3 +260,23 @@ def test_a_metadata_file_holding_a_plain_number_is_one_line(tmp_path):
     with pytest.raises(FlowRLError, match=r"holds a int, not a checkpoint's metadata") as err:
         read_sharded_metadata(tmp_path)
     assert "\n" not in str(err.value)
+
+
+def test_a_cut_shard_without_digests_falls_back_to_the_older_checkpoint(tmp_path):
+    """An older-layout sharded checkpoint (no digests.json): a shard cut short is named, and the run's newest intact
+    checkpoint is the older one, as with digests."""
+    import json
+
+    from flowrl.checkpoint import checkpoint_problem, latest_checkpoint
+
+    run = tmp_path / "run"
+    for it in (0, 1):
+        ckpt = run / "checkpoints" / f"iter_{it:05d}"
+        ckpt.mkdir(parents=True)
+        _genuine(ckpt)
+        (ckpt / "state.json").write_text(json.dumps({"iteration": it, "sharded": True, "lora": False}))
+        assert checkpoint_problem(ckpt) is None
+    shard = next((run / "checkpoints" / "iter_00001" / "sharded").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    assert "is cut short" in checkpoint_problem(shard.parent.parent)
+    assert latest_checkpoint(run, quiet=True).name == "iter_00000"
