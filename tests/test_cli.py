@@ -221,3 +221,21 @@ def test_bench_gpu_auto_micro_batch_is_the_estimate_s_choice_for_the_family_pres
     assert rows[0]["batch"] == chosen == int((0.8 * H100_BYTES / 2**30 - why["state_gib"]) // why["activations_per_input_gib"])
     assert rows[0]["estimate_mb"] == round((why["state_gib"] + chosen * why["activations_per_input_gib"]) * 1024, 1)
     assert why["state_gib"] + chosen * why["activations_per_input_gib"] <= 0.8 * H100_BYTES / 2**30
+
+
+def test_the_bench_gpu_command_reaches_the_benchmark_with_its_options(monkeypatch, tmp_path):
+    """`flowrl bench-gpu --tiny ...` parses its options and calls the benchmark with them (the benchmark itself is
+    tested above); the peak left out is read from the device."""
+    import flowrl.gpu_bench as gpu_bench
+    from flowrl.cli import main
+
+    seen = {}
+
+    def fake(families, resolutions, batch, prompts, peak_tflops, **kwargs):
+        seen.update(families=families, resolutions=resolutions, peak=peak_tflops, tiny=kwargs.get("tiny"))
+        return []
+
+    monkeypatch.setattr(gpu_bench, "run_gpu_bench", fake)
+    assert main(["bench-gpu", "--tiny", "--families", "sd35m", "--resolutions", "32", "--out",
+                 str(tmp_path / "b.json")]) == 0
+    assert seen == {"families": ("sd35m",), "resolutions": (32,), "peak": None, "tiny": True}

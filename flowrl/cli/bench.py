@@ -76,15 +76,6 @@ def cmd_bench(args) -> int:
 def cmd_bench_gpu(args) -> int:
     from ..gpu_bench import run_gpu_bench
 
-    if args.plan:  # a dry run on the CPU: every case's micro-batch and predicted peak for the named card
-        from ..gpu_check import plan_check
-
-        plan = plan_check(args.card, args.tiny, args.only, emit=lambda line: print(line, file=sys.stderr))
-        print(json.dumps(plan, indent=1))
-        if plan["problems"]:
-            raise FlowRLError(f"gpu-check --plan: {plan['problems'][0]}" + (
-                f" (and {len(plan['problems']) - 1} more)" if len(plan["problems"]) > 1 else ""))
-        return 0
     if not args.tiny and not torch_cuda_available():
         raise FlowRLError("bench-gpu: no CUDA device here; run it on a GPU machine, or add --tiny for the CPU check")
     rows = run_gpu_bench(tuple(args.families), tuple(args.resolutions), args.batch, args.prompts, args.peak_tflops,
