@@ -8,8 +8,7 @@ from pathlib import Path
 from ..cli_types import positive_int
 from ..errors import FlowRLError
 from .common import (ALLOW_PLUGINS_HELP, DEFAULT_PRESET, checkpoint_and_config, config_evaluator, finite_json,
-                     load_run_config, parse_seeds,
-                     split_name)
+                     load_run_config, parse_seeds, split_name)
 
 
 def cmd_eval(args) -> int:
@@ -133,7 +132,6 @@ def _eval_compare(args) -> int:
     import torch
 
     from ..checkpoint import find_checkpoint, lora_rank
-    from ..config import load_config
     from ..evaluate import format_table, reward_table
     from ..models import load_adapter
     from ..policy import load_trained_weights

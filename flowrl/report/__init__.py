@@ -7,6 +7,6 @@ from .grids import save_grid, save_video_grid, side_by_side
 from .plots import plot_guard, plot_reward_curve, smooth
 from .runs import compare_runs, format_rank_table, plot_rank, rank_runs
 
-__all__ = ["append_metrics", "atomic_path", "atomic_write_bytes", "compare_runs", "format_rank_table", "plot_guard", "plot_rank", "plot_reward_curve",
+__all__ = ["append_metrics", "atomic_path", "atomic_write_bytes", "finite_json", "compare_runs", "format_rank_table", "plot_guard", "plot_rank", "plot_reward_curve",
            "rank_runs", "read_metrics", "save_figure", "save_grid", "save_video_grid", "side_by_side", "smooth",
            "truncate_metrics", "write_csv"]

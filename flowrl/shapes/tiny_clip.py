@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
 import time
 from pathlib import Path
 
