@@ -875,7 +875,30 @@ def explain(key: str) -> str:
         lines.append(f"  range: {' and '.join(bounds)}")
     if field.description:
         lines.append(f"  {field.description}")
+    by_method = method_defaults(key)
+    if by_method:  # what each method uses where a config leaves the key out
+        values: dict[str, list[str]] = {}
+        for name, v in sorted(by_method.items()):
+            values.setdefault(yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip(),
+                              []).append(name)
+        lines.append("  left out, each method's value (its published choice where the package read one): "
+                     + "; ".join(f"{v}: {', '.join(names)}" for v, names in values.items()))
     return "\n".join(lines)
+
+
+def method_defaults(key: str) -> dict:
+    """The value each registered method puts in ``key`` where a config leaves it out (its published choice):
+    ``train.cfg_unconditional_grad`` and the ``advantage`` settings a method's released code fixes."""
+    from .registry import ALGORITHMS, algorithm_class
+
+    out = {}
+    for name in ALGORITHMS.names():
+        cls = algorithm_class(name)
+        if key == "train.cfg_unconditional_grad":
+            out[name] = bool(getattr(cls, "cfg_unconditional_grad", False))
+        elif key.startswith("advantage.") and key.split(".", 1)[1] in getattr(cls, "advantage_defaults", {}):
+            out[name] = cls.advantage_defaults[key.split(".", 1)[1]]
+    return out
 
 
 # --------------------------------------------------------------------------------------------- reference

@@ -254,3 +254,30 @@ def test_the_cfg_gradient_default_is_each_method_s_published_choice(name, kept, 
     flipped = load_config(base, [f"train.cfg_unconditional_grad={str(not kept).lower()}"]
                           + ([] if name in ("gardo", "tempflow_grpo") else [f"algorithm.name={name}"]))
     assert flipped.train.cfg_unconditional_grad is (not kept)
+
+
+# every registered method's CFG-gradient choice and where it comes from; a new method must be added here
+CFG_GRADIENT = {
+    "flow_grpo": (False, "Flow-GRPO scripts/train_sd3.py: noise_pred_uncond.detach() in the training forward"),
+    "flow_grpo_fast": (False, "Flow-GRPO's training block (the same script with the window)"),
+    "mix_grpo": (False, "built on Flow-GRPO-Fast's update"),
+    "gardo": (True, "train_sd3_grpo_gardo.py, compute_log_prob: both halves in the graph"),
+    "tempflow_grpo": (True, "scripts/train_sd3_pr.py: both halves in the graph"),
+}
+NOT_READ = "no published choice read: the package default, Flow-GRPO's (detached)"
+
+
+def test_every_method_declares_its_cfg_gradient_and_explain_shows_it():
+    """The per-method value is the class's declaration; `flowrl config explain` lists it; a method whose published
+    code the package has not read takes Flow-GRPO's choice (detached), named as such."""
+    from flowrl.config import explain, method_defaults
+    from flowrl.registry import ALGORITHMS, algorithm_class
+
+    table = method_defaults("train.cfg_unconditional_grad")
+    assert set(table) == set(ALGORITHMS.names())
+    for name in ALGORITHMS.names():
+        kept, source = CFG_GRADIENT.get(name, (False, NOT_READ))
+        assert algorithm_class(name).cfg_unconditional_grad is kept, (name, source)
+        assert table[name] is kept
+    text = explain("train.cfg_unconditional_grad")
+    assert "true: gardo, tempflow_grpo" in text and "false: ac_flow" in text
