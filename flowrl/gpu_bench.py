@@ -173,7 +173,8 @@ def update_step(model: BenchModel, px: int, batch: int, tiny: bool, *, fused_ada
     flops = 0
     if count_flops:  # the counter's dispatch mode is kept out of compiled code
         tr.disable_gradient_checkpointing()
-        flops = batch * _count_flops(_update_closure(model, px, 1, tiny, opt))
+        edges = flop_count_edges(batch)
+        flops = batch // edges * _count_flops(_update_closure(model, px, edges, tiny, opt))
     if repeats == 0:  # the count alone
         return {"flops": flops}
     one = _update_closure(model, px, batch, tiny, opt)
@@ -192,6 +193,13 @@ def update_step(model: BenchModel, px: int, batch: int, tiny: bool, *, fused_ada
     seconds = (time.perf_counter() - t0) / repeats
     del opt
     return {"seconds": seconds, "flops": flops, "images_per_s": batch / seconds, "peak_memory_mb": peak_memory_mb(dev)}
+
+
+def flop_count_edges(batch: int) -> int:
+    """Edges in the step whose FLOPs are counted for an update of ``batch`` edges: one (every edge has the same
+    tokens, so the count scales by the batch), never a full batch without checkpointing, which would hold more
+    activations than the timed step. ``flowrl gpu-check --plan`` sizes the counting step by this rule."""
+    return 1
 
 
 def _update_closure(model: BenchModel, px: int, batch: int, tiny: bool, opt):

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConfigError
+from .randomness import keeps_generators
 
 GIB = 2 ** 30
 
@@ -78,8 +79,8 @@ def build_on_meta(arch: Architecture, **changes):
 def state_bytes(cfg, arch: Architecture, shards: int) -> dict:
     """Per-process bytes of what the optimizer and the references hold (see the module docstring)."""
     from .algorithms import make_algorithm
-    from .registry import adapter_class
     from .policy import add_lora
+    from .registry import adapter_class
 
     model = build_on_meta(arch)
     t = cfg.train
@@ -130,8 +131,8 @@ def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
     assumptions behind the number."""
     import diffusers
 
-    from .registry import adapter_class
     from .models.common import PromptEmbeds
+    from .registry import adapter_class
 
     c = arch.config
     adapter_cls = adapter_class(cfg.model.family)
@@ -163,6 +164,7 @@ def activation_bytes(cfg, arch: Architecture) -> tuple[float, list[str]]:
         cond = PromptEmbeds(torch.randn(1, text_tokens, text_dim), torch.randn(1, pooled), None, sources)
         shell._forward(x, torch.full((1,), 0.5), cond)
 
+    @keeps_generators  # the caller's generators are left as they were (the probe may run on one process only)
     def measure(blocks: dict[str, int]) -> int:
         torch.manual_seed(0)
         model = cls.from_config({**c, **adapter_cls.memory_narrow(c, heads, blocks)})

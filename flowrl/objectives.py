@@ -8,20 +8,19 @@ optimisation loop (:func:`flowrl.optimise.optimise`) drives it through the small
    micro-batch of this process's share, then :meth:`~Objective.end_minibatch` (extra terms of the minibatch);
 3. :meth:`~Objective.statistics` after the last step: the update's numbers, gathered over processes.
 
-Three families ship. :class:`TransitionObjective` scores the sampler's own stochastic transitions (log-prob of
-each trained edge, ratio to the rollout's, PPO clip, KLs to a reference at the trained and the untrained steps,
-GRPO-Guard's normalised ratio as an option, a compiled fused path): every GRPO-style method, with subclasses that
-replace its policy term (Flow-DPPO's divergence mask, the Delightful PG's gate, on-policy distillation).
+Two shared kinds live here. :class:`TransitionObjective` scores the sampler's own stochastic transitions (log-prob
+of each trained edge, ratio to the rollout's, PPO clip, KLs to a reference at the trained and the untrained steps,
+GRPO-Guard's normalised ratio as an option, a compiled fused path): every GRPO-style method.
 :class:`ForwardProcessObjective` re-noises the clean samples and applies the algorithm's per-sample loss on the
-forward process (DiffusionNFT, AWM, SFT, AC-Flow), with the pairwise (online DPO) and group (DGPO) forms.
-:class:`RewardBackpropObjective` re-runs the last sampling steps with the graph and differentiates the reward
-(ReFL / DRaFT-K).
+forward process (DiffusionNFT, AWM, SFT, AC-Flow). A method with a loss of its own keeps it in its algorithm's
+module, subclassing one of these or :class:`Objective` (Flow-DPPO's divergence mask, the Delightful PG's gate,
+on-policy distillation, online DPO's pairs, DGPO's groups, ReFL's reward backpropagation).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -82,15 +81,24 @@ class EdgeTerms:
     divergence: torch.Tensor | None = None  # the KL from the rollout's transition, where the objective asks for it
 
 
-class Objective(Protocol):
+class Objective:
     """What the optimisation loop (:func:`flowrl.optimise.optimise`) needs of a loss: work items it can deal to
-    processes and pack into micro-batches, each item's size and rows, and the summed loss of a micro-batch.
+    processes and pack into micro-batches, each item's size and rows, and the summed loss of a micro-batch. Every
+    objective subclasses it; the loop calls nothing else.
 
     The loop calls :meth:`work_items` once per update, then per minibatch :meth:`begin_minibatch`,
-    :meth:`micro_batch_loss` for each micro-batch (and backward), :meth:`end_minibatch`, the optimizer step (then
-    ``after_optimizer_step()`` where the objective has one: a copy of the weights that follows every step), and
-    finally :meth:`statistics`.
+    :meth:`micro_batch_loss` for each micro-batch (and backward), :meth:`end_minibatch`, the optimizer step, then
+    :meth:`after_optimizer_step`, and finally :meth:`statistics`.
     """
+
+    trains_transitions = False  # the loss is over the plan's trained edges (else over re-noised or re-run samples)
+    # train.update_composition=rollout is possible: group_key puts each rollout call's items in one micro-batch
+    keys_rollout_calls = False
+
+    @property
+    def needs_sampling_mean(self) -> bool:
+        """Whether the rollout must keep each trained edge's sampling mean (one latent per edge)."""
+        return False
 
     def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
         """The update's work items.
@@ -101,14 +109,23 @@ class Objective(Protocol):
         Returns:
             Per minibatch-able group, the items (their order is the same on every process).
         """
+        raise NotImplementedError
 
     def item_size(self, item) -> int:
         """Transformer inputs one item puts through a forward (its share of the micro-batch)."""
+        raise NotImplementedError
 
     def item_rows(self, item) -> int:
         """Loss rows the item contributes; a minibatch's loss is the mean over its rows."""
+        raise NotImplementedError
 
-    def begin_minibatch(self, items: list, gen: torch.Generator) -> None: ...
+    def group_key(self, item) -> int | None:
+        """The rollout call an item belongs to (the loop keeps one call's items in one micro-batch), or None: the
+        loop packs micro-batches by size."""
+        return None
+
+    def begin_minibatch(self, items: list, gen: torch.Generator) -> None:
+        """Before a minibatch's micro-batches."""
 
     def micro_batch_loss(self, numbered: list[tuple[int, Any]], record: bool = True) -> torch.Tensor:
         """The summed loss of one micro-batch's rows.
@@ -119,11 +136,18 @@ class Objective(Protocol):
         Returns:
             A scalar tensor: the sum over the micro-batch's rows, already divided by the whole minibatch's rows.
         """
+        raise NotImplementedError
 
     def end_minibatch(self, gen: torch.Generator) -> torch.Tensor | None:
         """After the micro-batches' backwards: an extra loss of the minibatch to back-propagate, or None."""
+        return None
 
-    def statistics(self) -> dict: ...
+    def after_optimizer_step(self) -> None:
+        """After each optimizer step (a copy of the weights that follows every step updates here)."""
+
+    def statistics(self) -> dict:
+        """The update's numbers, gathered over processes, after the last step."""
+        raise NotImplementedError
 
 
 def velocities(parts: TrainingParts, x: torch.Tensor, sigma: torch.Tensor, cond, with_reference: bool,
@@ -157,7 +181,7 @@ def velocities(parts: TrainingParts, x: torch.Tensor, sigma: torch.Tensor, cond,
     return v, v_ref
 
 
-class TransitionObjective:
+class TransitionObjective(Objective):
     """PPO-clip on the sampler's transitions. Each work item is a parent state with its trained edges (or a chunk
     of them, Chunk-GRPO); one transformer pass per parent serves all its edges. The algorithm turns per-edge
     log-ratios into loss rows (:meth:`loss_rows`: per edge, per chunk) and may weight steps (:meth:`loss_weights`).
@@ -170,13 +194,15 @@ class TransitionObjective:
     def __init__(self, algorithm, parts: TrainingParts):
         self.algorithm, self.parts, self.cfg = algorithm, parts, algorithm.cfg
         self.guard = self.cfg.train.grpo_guard
+        # GRPO-Guard rewrites the log-ratio: the eager path
         self.fused = (losses.compiled_edge_objective() if self.cfg.train.fused_loss and algorithm.per_edge_rows
-                      and not self.guard else None)  # GRPO-Guard rewrites the log-ratio: the eager path
+                      and algorithm.fusable_loss_rows and not self.guard else None)
         # train.update_composition=rollout: each parent state is recomputed inside the rollout call that evaluated it
         self.same_composition = self.cfg.train.update_composition == "rollout"
 
     divergence_std: str | None = None  # set by objectives that need each edge's divergence from its rollout
     trains_transitions = True  # the loss is over the plan's trained edges
+    keys_rollout_calls = True
 
     @property
     def needs_sampling_mean(self) -> bool:
@@ -426,77 +452,6 @@ class TransitionObjective:
         return kl_to_reference(cfg, out, x, v_ref, s, s_next, nxt, level, sigma_at_one, {})  # full rank: no options
 
 
-
-class DivergenceMaskedObjective(TransitionObjective):
-    """Flow-DPPO's objective: the transitions' terms with the ratio clip replaced by the divergence mask
-    (:func:`flowrl.losses.divergence_masked_loss`): ``-A r`` per edge, dropped only where the edge's transition has
-    moved at least ``algorithm.divergence_threshold`` (KL per element) from its rollout's in the advantage's
-    direction. Logs the dropped fraction (``dppo_dropped``, and on the first update, which must be 0) and the largest
-    divergence."""
-
-    def __init__(self, algorithm, parts: TrainingParts):
-        super().__init__(algorithm, parts)
-        self.divergence_std = algorithm.opts.divergence_std
-        self.fused = None  # the mask needs each edge's divergence: the eager path
-        self.dropped, self.first_dropped, self.max_divergence = [], [], 0.0
-
-    def policy_rows(self, log_ratio: torch.Tensor, adv: torch.Tensor, edges: EdgeTerms) -> tuple[torch.Tensor, torch.Tensor]:
-        loss, ratio, dropped = losses.divergence_masked_loss(log_ratio, adv, edges.divergence,
-                                                             self.algorithm.opts.divergence_threshold)
-        self.dropped.append(dropped.float())
-        if self.first:  # the first minibatch: the rollout's own weights, so nothing may be dropped
-            self.first_dropped.append(dropped.float())
-        self.max_divergence = max(self.max_divergence, float(edges.divergence.max()) if len(edges.divergence) else 0.0)
-        return loss, ratio
-
-    def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
-        self.dropped, self.first_dropped, self.max_divergence = [], [], 0.0
-        return super().work_items(batch, gen)
-
-    def statistics(self) -> dict:
-        stats = super().statistics()
-        procs = self.parts.procs
-        dropped = torch.cat(self.dropped) if self.dropped else torch.zeros(0)
-        n, k = procs.sum(len(dropped)), procs.sum(float(dropped.sum()))
-        first = torch.cat(self.first_dropped) if self.first_dropped else torch.zeros(0)
-        n1, k1 = procs.sum(len(first)), procs.sum(float(first.sum()))
-        stats["dppo_dropped"] = k / n if n else 0.0
-        stats["dppo_dropped_first_update"] = k1 / n1 if n1 else 0.0
-        stats["dppo_divergence_max"] = max(procs.gather([self.max_divergence]))
-        return stats
-
-
-
-class DelightGatedObjective(TransitionObjective):
-    """The Delightful Policy Gradient: no ratio clip; each edge's score-function term ``-A log pi`` is weighted by
-    the detached gate ``sigmoid(A l / eta)``, where ``l = -log pi(a | s)`` is the action's surprisal
-    (:func:`flowrl.losses.delight_gated_loss`), so rare successes pass and rare failures are damped. Logs the mean
-    gate (``delight_gate``)."""
-
-    def __init__(self, algorithm, parts: TrainingParts):
-        super().__init__(algorithm, parts)
-        self.fused = None
-        self.gates: list[torch.Tensor] = []
-
-    def policy_rows(self, log_ratio: torch.Tensor, adv: torch.Tensor, edges: EdgeTerms) -> tuple[torch.Tensor, torch.Tensor]:
-        o = self.algorithm.opts
-        loss, ratio, gate = losses.delight_gated_loss(log_ratio, edges.log_prob, adv, o.eta, o.surprisal_clip,
-                                                      o.surprisal)
-        self.gates.append(gate)
-        return loss, ratio
-
-    def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
-        self.gates = []
-        return super().work_items(batch, gen)
-
-    def statistics(self) -> dict:
-        stats = super().statistics()
-        gates = torch.cat(self.gates) if self.gates else torch.zeros(0)
-        n, total = self.parts.procs.sum(len(gates)), self.parts.procs.sum(float(gates.sum()))
-        stats["delight_gate"] = total / n if n else 0.0
-        return stats
-
-
 def gathered(procs, *rows: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Each list of per-micro-batch rows, gathered over the processes and concatenated (empty lists allowed)."""
     return tuple(torch.cat(x) for x in procs.gather_rows(*(r or [torch.zeros(0)] for r in rows)))
@@ -524,12 +479,11 @@ def kl_to_reference(cfg, out, x, v_ref, s, s_next, prev, noise_level: float, sig
     return gaussian_kl_same_std(out.mean, ref.mean, std)
 
 
-class ForwardProcessObjective:
+class ForwardProcessObjective(Objective):
     """Training on the forward process: every clean leaf x0 is re-noised at the algorithm's timesteps t
     (``x_t = (1 - t) x0 + t eps``) and the algorithm's per-sample loss (``forward_process_loss``) is minimised,
     with the old policy's velocity beside the trained one's, plus ``train.kl_beta`` x mean((v - v_ref)^2)."""
 
-    needs_sampling_mean = False
     trains_transitions = False  # the plan's trained edges do not enter the loss (its rollout may be all ODE)
 
     def __init__(self, algorithm, parts: TrainingParts):
@@ -603,294 +557,3 @@ class ForwardProcessObjective:
         return stats
 
 
-class PreferencePairObjective(ForwardProcessObjective):
-    """Online Diffusion-DPO on the forward process: each work item is a (chosen, rejected) pair of clean samples at
-    one training sigma, both re-noised with the same noise; the loss per pair is the algorithm's ``dpo_loss`` of the
-    policy's and the reference's flow-matching errors. Logs ``dpo_accuracy`` (pairs whose chosen sample the policy
-    already prefers relative to the reference) and ``dpo_pairs``."""
-
-    def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
-        tree, dev = batch.tree, self.parts.device
-        self.cond = batch.cond
-        self.x0 = tree.leaves.to(dev)  # (L, *latent)
-        self.prompt_rows = tree.leaf_group
-        self.pairs = list(batch.pairs or [])  # (chosen, rejected) leaves, one pair per group that has one
-        self.t = self.algorithm.training_timesteps(len(self.pairs), self.parts.sigmas, gen)  # (P, k)
-        self.losses, self.kls, self.wins, self.gaps, self.nfe = [], [], [], [], 0
-        return [(p, j) for p in range(len(self.pairs)) for j in range(self.t.shape[1])]
-
-    def item_size(self, item) -> int:
-        return 2  # two samples through the policy (and two through the reference)
-
-    def micro_batch_loss(self, numbered: list[tuple[int, Any]], record: bool = True) -> torch.Tensor:
-        parts, policy, dev = self.parts, self.parts.policy, self.parts.device
-        adapter, autocast = parts.adapter, parts.accelerator.autocast
-        p_idx = torch.tensor([p for _, (p, _) in numbered])
-        t = self.t[p_idx, torch.tensor([j for _, (_, j) in numbered])].to(dev)  # (B,)
-        leaves = torch.tensor([[self.pairs[p][0], self.pairs[p][1]] for p in p_idx.tolist()])  # (B, 2)
-        x0 = self.x0[leaves.flatten().to(dev)]  # (2B, *latent): chosen, rejected, chosen, ...
-        eps = self.eps[[n for n, _ in numbered]].to(dev).repeat_interleave(2, dim=0)  # the same noise for a pair
-        t2 = t.repeat_interleave(2)
-        tt = t2.view(-1, *([1] * (x0.ndim - 1)))
-        x_t = (1 - tt) * x0 + tt * eps
-        rows = self.cond.index(self.prompt_rows[leaves.flatten()].to(self.cond.embeds.device))
-        with torch.no_grad(), autocast(), policy.reference():
-            v_ref = adapter.velocity(x_t, t2, rows)
-        with autocast():
-            v = adapter.velocity(x_t, t2, rows)
-        target = eps - x0
-        err = ((v.float() - target) ** 2).flatten(1).mean(1).view(-1, 2)  # (B, 2) chosen, rejected
-        err_ref = ((v_ref.float() - target) ** 2).flatten(1).mean(1).view(-1, 2)
-        loss = losses.dpo_loss(err[:, 0], err_ref[:, 0], err[:, 1], err_ref[:, 1], self.algorithm.opts.dpo_beta)  # (B,)
-        if not record:
-            return loss.sum()
-        self.nfe += 2 * len(numbered)
-        self.losses.append(loss.detach())
-        self.wins.append((((err[:, 0] - err_ref[:, 0]) - (err[:, 1] - err_ref[:, 1])) < 0).float().detach())
-        return loss.sum()
-
-    def statistics(self) -> dict:
-        procs = self.parts.procs
-        losses, wins = procs.gather_rows(self.losses or [torch.zeros(0)], self.wins or [torch.zeros(0)])
-        losses, wins = torch.cat(losses), torch.cat(wins)
-        return {"trained_edges": 0, "work_items": self.t.numel(), "nfe_train": procs.sum(self.nfe),
-                "policy_loss": float(losses.mean()) if len(losses) else 0.0,
-                "dpo_accuracy": float(wins.mean()) if len(wins) else 0.0}
-
-
-class GroupPreferenceObjective(ForwardProcessObjective):
-    """DGPO on the forward process: each work item is one prompt's group at one training sigma, re-noised with one
-    shared noise; the policy, the reference and the old (fast EMA) weights each give the group's flow-matching
-    errors, and the rows are :func:`flowrl.losses.group_preference_loss` (with :func:`flowrl.losses.dsm_clip`'s
-    samples detached) plus ``train.kl_beta`` x the velocity MSE to the reference. Logs the denoising ratio
-    (``ratio_*``, 1 on the first update) and the clipped fraction (``clipfrac``)."""
-
-    def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
-        tree, dev, cfg = batch.tree, self.parts.device, self.cfg
-        self.cond = batch.cond
-        self.x0 = tree.leaves.to(dev)  # (L, *latent)
-        self.adv = tree.leaf_values(batch.node_adv).float().clamp(-cfg.advantage.clip, cfg.advantage.clip)  # (L,)
-        self.prompt_rows = tree.leaf_group
-        self.groups = [(tree.leaf_group == g).nonzero().flatten() for g in tree.leaf_group.unique().tolist()]
-        self.t = self.algorithm.training_timesteps(len(self.groups), self.parts.sigmas, gen)  # (P, k)
-        self.losses, self.kls, self.ratios, self.clipped, self.first, self.first_dev, self.nfe = [], [], [], [], True, 0.0, 0
-        return [(g, j) for g in range(len(self.groups)) for j in range(self.t.shape[1])]
-
-    def after_optimizer_step(self) -> None:
-        """The fast EMA follows the weights after every optimizer step (the algorithm's schedule)."""
-        self.algorithm.follow_fast_ema(self.parts.policy)
-
-    def item_size(self, item) -> int:
-        return len(self.groups[item[0]])
-
-    def item_rows(self, item) -> int:
-        return len(self.groups[item[0]])
-
-    def micro_batch_loss(self, numbered: list[tuple[int, Any]], record: bool = True) -> torch.Tensor:
-        cfg, parts, policy, dev = self.cfg, self.parts, self.parts.policy, self.parts.device
-        adapter, autocast, opts = parts.adapter, parts.accelerator.autocast, self.algorithm.opts
-        members = [self.groups[g] for _, (g, _) in numbered]
-        leaves = torch.cat(members)  # (B,) every sample of the micro-batch's groups
-        sizes = [len(m) for m in members]
-        t = torch.cat([self.t[g, j].repeat(len(self.groups[g])) for _, (g, j) in numbered]).to(dev)  # (B,)
-        eps = torch.cat([self.eps[n].expand(len(self.groups[g]), *self.eps.shape[1:]) for n, (g, _) in numbered])
-        x0 = self.x0[leaves.to(dev)]
-        tt = t.view(-1, *([1] * (x0.ndim - 1)))
-        eps = eps.to(dev)
-        x_t = (1 - tt) * x0 + tt * eps  # (B, *latent): one noise per group
-        rows = self.cond.index(self.prompt_rows[leaves].to(self.cond.embeds.device))
-        with torch.no_grad(), autocast():
-            with policy.reference():
-                v_ref = adapter.velocity(x_t, t, rows)
-            with policy.old_weights():
-                v_old = adapter.velocity(x_t, t, rows)
-        with autocast():
-            v = adapter.velocity(x_t, t, rows)
-        target = eps - x0
-
-        def error(u):
-            return ((u.float() - target) ** 2).flatten(1).mean(1)  # (B,)
-
-        err, err_ref, err_old = error(v), error(v_ref), error(v_old)
-        adv = self.adv[leaves].to(dev)
-        out, clipped = [], []
-        for e, er, eo, a in zip(*(x.split(sizes) for x in (err, err_ref, err_old, adv))):
-            clip = losses.dsm_clip(e, eo, a, opts.clip_range)
-            clipped.append(clip)
-            out.append(losses.group_preference_loss(torch.where(clip, e.detach(), e), er, a, opts.dpo_beta))
-        loss = torch.cat(out)
-        kl = ((v.float() - v_ref.float()) ** 2).flatten(1).mean(1)
-        if not record:
-            return (loss + cfg.train.kl_beta * kl).sum()
-        self.nfe += 3 * len(leaves)
-        ratio = torch.exp(err_old - err.detach())
-        self.ratios.append(ratio)
-        if self.first:
-            self.first_dev = max(self.first_dev, float((ratio - 1).abs().max()))
-        self.clipped.append(torch.cat(clipped).float())
-        self.losses.append(loss.detach())
-        self.kls.append(kl.detach())
-        return (loss + cfg.train.kl_beta * kl).sum()
-
-    def end_minibatch(self, gen: torch.Generator) -> torch.Tensor | None:
-        self.first = False
-        return None
-
-    def statistics(self) -> dict:
-        procs = self.parts.procs
-        losses_, kls, ratios, clipped = gathered(procs, self.losses, self.kls, self.ratios, self.clipped)
-        return {"trained_edges": 0, "work_items": self.t.numel(), "nfe_train": procs.sum(self.nfe),
-                "clipfrac": float(clipped.mean()) if len(clipped) else 0.0,
-                "ratio_mean": float(ratios.mean()) if len(ratios) else 1.0,
-                "ratio_std": float(ratios.std(correction=0)) if len(ratios) else 0.0,
-                "ratio_max_abs_dev_first_update": max(procs.gather([self.first_dev])),
-                "policy_loss": float(losses_.mean()) if len(losses_) else 0.0,
-                "kl_loss": float(kls.mean()) if len(kls) else 0.0}
-
-
-class DistillationObjective(TransitionObjective):
-    """On-policy distillation: the transitions' objective, whose KL term's reference is the teacher, with the PPO
-    term scaled by ``algorithm.reward_weight`` (0: the rows are the KL alone)."""
-
-    def __init__(self, algorithm, parts: TrainingParts):
-        super().__init__(algorithm, parts)
-        self.fused = None  # the policy term is scaled: the eager path
-
-    def policy_rows(self, log_ratio: torch.Tensor, adv: torch.Tensor, edges: EdgeTerms) -> tuple[torch.Tensor, torch.Tensor]:
-        loss, ratio = super().policy_rows(log_ratio, adv, edges)
-        return self.algorithm.opts.reward_weight * loss, ratio
-
-    def velocities(self, x: torch.Tensor, sigma: torch.Tensor, rows: torch.Tensor, with_reference: bool):
-        """With one teacher per domain, each state's reference velocity is its prompt's teacher's."""
-        names = self.algorithm.teacher_of_rows(rows.tolist())  # (N,) teacher names, or None for one teacher
-        if names is None:
-            return super().velocities(x, sigma, rows, with_reference)
-        # sharded: every teacher's pass in every micro-batch (the processes' collectives must match)
-        order = sorted(self.algorithm.opts.teachers) if self.parts.policy.sharded else list(dict.fromkeys(names))
-        references = [(n, torch.tensor([i for i, m in enumerate(names) if m == n], dtype=torch.long,
-                                    device=x.device)) for n in order]
-        return velocities(self.parts, x, sigma, self.batch.cond.index(rows), with_reference, references)
-
-
-class RewardBackpropObjective:
-    """Reward backpropagation: each work item is one sample. DRaFT-K (``algorithm.mode=draft_k``): its last
-    ``algorithm.grad_steps`` ODE steps are re-run from the rollout's stored state with the policy's graph, the result
-    is decoded with its graph, and the loss row is minus the differentiable reward (plus ``train.kl_beta`` x the
-    velocity MSE to the reference over the re-run steps); it logs the re-run's gap to the rollout's final latents
-    (``refl_rerun_gap``, 0 on the first update). ReFL (``mode=refl``): from the stored state at the sample's drawn
-    stop step, one prediction ``x0 = x_t - sigma v`` is decoded and the row is ``refl_scale relu(refl_margin - r)``.
-    Both log ``reward_grad_mean``, the reward the update differentiated."""
-
-    needs_sampling_mean = False
-    trains_transitions = False
-
-    def __init__(self, algorithm, parts: TrainingParts):
-        self.algorithm, self.parts, self.cfg = algorithm, parts, algorithm.cfg
-
-    def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
-        tree = self.tree = batch.tree
-        self.cond = batch.cond
-        self.prompts, self.metadata = batch.prompts, batch.metadata
-        opts, n_rounds = self.algorithm.opts, tree.num_rounds
-        rounds, pos = tree.leaf_positions()
-        if self.algorithm.predicts_x0:  # each sample's stop step, uniform over the grid's last refl_window
-            first = min(n_rounds - 1, int(n_rounds * (1 - opts.refl_window)))
-            stops = torch.randint(first, n_rounds, (len(pos),), generator=gen)  # (L,) grid indices
-        else:  # a chain: round r holds the state at grid index r; the re-run starts K rounds up
-            stops = torch.full((len(pos),), n_rounds - opts.grad_steps)
-        # each leaf's ancestor at its stop round, following the parents up
-        anc, start = pos.clone(), torch.empty_like(tree.leaves)
-        for r in range(n_rounds, int(stops.min()) - 1, -1):
-            at = stops == r
-            start[at] = tree.latents[r][anc[at]]
-            if r > 0:
-                anc = tree.parent[r][anc]
-        self.start, self.stops = start, stops  # (L, *latent), (L,)
-        self.start_index = n_rounds - opts.grad_steps
-        self.final = tree.leaves
-        self.rows = tree.leaf_group
-        self.rewards_seen, self.gaps, self.kls, self.nfe, self.first, self.first_gap = [], [], [], 0, True, 0.0
-        self.losses = []
-        return list(range(len(anc)))
-
-    def item_size(self, item) -> int:
-        return 1
-
-    def item_rows(self, item) -> int:
-        return 1
-
-    def begin_minibatch(self, items: list, gen: torch.Generator) -> None:
-        pass
-
-    def micro_batch_loss(self, numbered: list[tuple[int, Any]], record: bool = True) -> torch.Tensor:
-        from .models.base import decode_with_grad
-
-        cfg, parts, dev = self.cfg, self.parts, self.parts.device
-        leaves = torch.tensor([i for _, i in numbered])
-        x = self.start[leaves].to(dev)  # (B, *latent)
-        rows = self.rows[leaves]
-        cond = self.cond.index(rows.to(self.cond.embeds.device))
-        sig = self.tree.sigmas.to(dev)
-        if self.algorithm.predicts_x0:
-            return self._refl_loss(x, sig[self.stops[leaves].to(dev)], cond, rows, record)
-        kl = torch.zeros(len(leaves), device=dev)
-        for i in range(self.start_index, len(sig) - 1):
-            s = sig[i].expand(len(leaves))
-            v, v_ref = velocities(parts, x, s, cond, cfg.train.kl_beta > 0)
-            if v_ref is not None:
-                kl = kl + ((v.float() - v_ref.float()) ** 2).flatten(1).mean(1) / self.algorithm.opts.grad_steps
-            x = x + (sig[i + 1] - sig[i]) * v.float()  # the ODE (Euler) step, as the rollout took it
-        with parts.accelerator.autocast():
-            images = decode_with_grad(parts.adapter, x)
-        prompts = [self.prompts[int(g)] for g in rows]
-        metadata = [self.metadata[int(g)] for g in rows] if self.metadata else None
-        reward = self.parts.rewards.differentiable_total(images, prompts, metadata).to(dev)  # (B,)
-        loss = -reward + cfg.train.kl_beta * kl
-        if record:
-            self.nfe += len(leaves) * self.algorithm.opts.grad_steps
-            self.rewards_seen.append(reward.detach().cpu())
-            gap = (x.detach().cpu() - self.final[leaves]).abs().flatten(1).max(1).values
-            self.gaps.append(gap)
-            self.kls.append(kl.detach().cpu())
-            if self.first:
-                self.first_gap = max(self.first_gap, float(gap.max()))
-        return loss.sum()
-
-    def _refl_loss(self, x, sigma, cond, rows, record: bool) -> torch.Tensor:
-        """ReFL's rows: x (B, *latent) the states at the stop steps, sigma (B,) theirs."""
-        from .models.base import decode_with_grad
-
-        cfg, parts, opts = self.cfg, self.parts, self.algorithm.opts
-        v, v_ref = velocities(parts, x, sigma, cond, cfg.train.kl_beta > 0)
-        x0 = x - sigma.view(-1, *([1] * (x.ndim - 1))) * v.float()  # the one-step prediction of the clean latent
-        with parts.accelerator.autocast():
-            images = decode_with_grad(parts.adapter, x0)
-        prompts = [self.prompts[int(g)] for g in rows]
-        metadata = [self.metadata[int(g)] for g in rows] if self.metadata else None
-        reward = self.parts.rewards.differentiable_total(images, prompts, metadata).to(x.device)  # (B,)
-        kl = ((v.float() - v_ref.float()) ** 2).flatten(1).mean(1) if v_ref is not None else torch.zeros_like(reward)
-        loss = opts.refl_scale * torch.relu(opts.refl_margin - reward) + cfg.train.kl_beta * kl
-        if record:
-            self.nfe += len(rows)
-            self.rewards_seen.append(reward.detach().cpu())
-            self.kls.append(kl.detach().cpu())
-            self.losses.append(loss.detach().cpu())
-        return loss.sum()
-
-    def end_minibatch(self, gen: torch.Generator) -> torch.Tensor | None:
-        self.first = False
-        return None
-
-    def statistics(self) -> dict:
-        procs = self.parts.procs
-        rewards, gaps, kls = gathered(procs, self.rewards_seen, self.gaps, self.kls)
-        stats = {"trained_edges": 0, "work_items": len(self.start), "nfe_train": procs.sum(self.nfe),
-                 "kl_loss": float(kls.mean()) if len(kls) else 0.0,
-                 "reward_grad_mean": float(rewards.mean()) if len(rewards) else 0.0}
-        if self.algorithm.predicts_x0:
-            losses, = gathered(procs, self.losses)
-            stats["policy_loss"] = float(losses.mean()) if len(losses) else 0.0
-        else:  # DRaFT-K's loss is minus the reward; its re-run retraces the rollout on the first update
-            stats["policy_loss"] = -float(rewards.mean()) if len(rewards) else 0.0
-            stats["refl_rerun_gap"] = max(procs.gather([self.first_gap]))
-        return stats

@@ -49,7 +49,7 @@ def micro_batches(numbered: list, max_size: int, size):
 def check_update_composition(objective, cfg) -> None:
     """``train.update_composition=rollout`` needs an objective that keys its items by rollout call: one line
     otherwise."""
-    if cfg.train.update_composition == "rollout" and not hasattr(objective, "group_key"):
+    if cfg.train.update_composition == "rollout" and not objective.keys_rollout_calls:
         raise ConfigError(f"train.update_composition=rollout: {cfg.algorithm.name} does not recompute the "
                           "rollout's transitions; set train.update_composition=micro_batch")
 
@@ -57,8 +57,7 @@ def check_update_composition(objective, cfg) -> None:
 def _groups(objective, numbered: list, max_size: int) -> list[list]:
     """The micro-batches: by size, or, where the objective keys its items (one rollout call per micro-batch under
     ``train.update_composition=rollout``), the items of one key together, keys in order of first appearance."""
-    key = getattr(objective, "group_key", None)
-    keys = [key(item) for _, item in numbered] if key is not None else []
+    keys = [objective.group_key(item) for _, item in numbered]
     if not keys or keys[0] is None:
         return list(micro_batches(numbered, max_size, objective.item_size))
     by_key: dict = {}
@@ -121,8 +120,7 @@ def optimise(objective: Objective, batch: UpdateBatch, policy, procs, train_cfg,
                 raise FlowRLError("non-finite gradient norm; lower train.lr or use fp32 (train.mixed_precision=no)")
             opt.step()
             steps += 1
-            if hasattr(objective, "after_optimizer_step"):
-                objective.after_optimizer_step()
+            objective.after_optimizer_step()
             if policy.ema is not None and steps % train_cfg.ema.update_every == 0:
                 policy.ema.step(policy.params)
     stats = objective.statistics()

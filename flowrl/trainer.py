@@ -20,19 +20,19 @@ from . import report
 from .algorithms import AlgorithmContext, make_algorithm
 from .attention import attention_kernels
 from .callbacks import built_in_callbacks
-from .checkpoint import (load_run_state, reference_checkpoints, resume_checkpoint, resume_start,
-                         save_run_checkpoint)
+from .checkpoint import load_run_state, reference_checkpoints, resume_checkpoint, resume_start, save_run_checkpoint
 from .config import Config, iteration_seed
 from .distributed import Processes, ShardedSampler
 from .editing import check_prompts_fit, prepend_sources
-from .guard import check_guard_inputs
 from .errors import FlowRLError, Stopped
+from .guard import check_guard_inputs
 from .memory import run_micro_batch, saved_micro_batch
 from .models import load_adapter
 from .objectives import TrainingParts, UpdateBatch
 from .optimise import check_update_composition, optimise
 from .policy import Policy
 from .prompts import PromptSource
+from .randomness import seeded
 from .registry import EVALUATORS
 from .rewards import build_reward_set
 from .rollout_runner import RolloutOptions, RolloutRunner
@@ -41,6 +41,7 @@ from .sampling import Sampler, check_noise_lowpass, kernel_options, peak_memory_
 from .sharding import check_context, check_options, launch_config
 from .stop_signal import SigtermNoted
 from .throughput import FlopMeter, WorkCounts, device_peak_tflops, rates
+
 
 def progress_kl(row: dict, train_cfg) -> dict:
     """The progress bar's KL: the measured KL to the reference that the run pays for (``kl_loss``, and at the
@@ -75,7 +76,15 @@ class Trainer:
                  callbacks: list | None = None):
         self.cfg = cfg = launch_config(cfg)  # under an FSDP accelerate launch, a copy with train.fsdp on
         self.device = resolve_device(cfg.device)
-        torch.manual_seed(cfg.train.seed)
+        # model builds and LoRA's initial weights draw from torch's global generator: seeded for the setup, and the
+        # caller's generator restored after it
+        with seeded(cfg.train.seed, self.device):
+            self._setup(cfg, config_name, run_dir, callbacks)
+
+    def _setup(self, cfg: Config, config_name: str, run_dir, callbacks) -> None:
+        """The run's parts, in the order that refuses bad input before a model loads or the run folder is touched:
+        the task (prompts, rewards, algorithm), the run folder, the model and policy, the objective and rollout
+        runner, then the run folder opened."""
         # --- everything that can fail on bad input happens before a model loads or the run folder is touched
         self.procs = Processes(self.device, context=cfg.train.context_parallel.degree)
         check_context(cfg, self.procs.processes)

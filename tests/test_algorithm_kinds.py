@@ -136,3 +136,28 @@ def test_every_algorithm_page_links_its_paper_and_code_and_lists_where_ours_diff
         section = text.split("## Paper and code", 1)[-1].split("\n## ", 1)[0]
         assert "## Paper and code" in text and "Paper:" in section and "Reference code:" in section, name
         assert "Where ours differs:" in section and "\n- " in section, name
+
+
+@pytest.mark.parametrize("overrides", [[], ["algorithm.name=dgpo", "algorithm.group_size=4"]],
+                         ids=["flow_grpo", "dgpo (old copy kept)"])
+def test_the_trainer_calls_the_hooks_in_the_documented_order(tmp_path, overrides):
+    """One iteration's hook calls, recorded on the algorithm: exactly HOOK_ORDER (old_decay only with an old copy)."""
+    from tests.conftest import make_cfg
+    from flowrl.algorithms.base import HOOK_ORDER
+    from flowrl.trainer import Trainer
+
+    trainer = Trainer(make_cfg(tmp_path, "train.iterations=1", "log.eval_every=0", "guard.enabled=false",
+                               *overrides))
+    algo, calls = trainer.algorithm, []
+    for name in HOOK_ORDER:
+        hook = getattr(algo, name)
+
+        def recorded(*args, _name=name, _hook=hook, **kwargs):
+            calls.append(_name)
+            return _hook(*args, **kwargs)
+
+        setattr(algo, name, recorded)
+    trainer.iteration(0)
+    expected = [h for h in HOOK_ORDER if h != "old_decay" or trainer.policy.old is not None]
+    assert calls == expected
+    assert ("old_decay" in calls) == (overrides != [])

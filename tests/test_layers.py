@@ -19,7 +19,7 @@ SOURCES = {"flowrl": ROOT / "flowrl", "flowrl.rewards": ROOT / "rewards", "flowr
 LAYERS = [
     ("cli", ["flowrl.cli", "flowrl.cli.*", "flowrl.__main__"]),
     ("shapes demo (leaf)", ["flowrl.shapes", "flowrl.shapes.*"]),
-    ("eval / bench", ["flowrl.evaluate", "flowrl.bench", "flowrl.gpu_bench", "flowrl.gpu_check", "flowrl.credit"]),
+    ("eval / bench", ["flowrl.evaluate", "flowrl.bench", "flowrl.gpu_bench", "flowrl.gpu_check", "flowrl.gpu_plan", "flowrl.credit"]),
     ("train", ["flowrl.trainer", "flowrl.callbacks", "flowrl.optimise", "flowrl.rollout_runner", "flowrl.policy",
                "flowrl.checkpoint", "flowrl.sharded_checkpoint", "flowrl.rundir", "flowrl.distributed",
                "flowrl.sharding", "flowrl.throughput", "flowrl.memory", "flowrl.stop_signal",
@@ -32,7 +32,8 @@ LAYERS = [
     ("plan / kernels", ["flowrl.samplers", "flowrl.samplers.*"]),
     ("config / errors / io", ["flowrl", "flowrl.config", "flowrl.errors", "flowrl.registry", "flowrl.resources",
                               "flowrl.tokenizer", "flowrl.report", "flowrl.report.*", "flowrl.cli_types",
-                              "flowrl.digests", "flowrl.attention", "flowrl.host_sync", "flowrl.editing"]),
+                              "flowrl.digests", "flowrl.attention", "flowrl.host_sync", "flowrl.editing",
+                              "flowrl.randomness"]),
 ]
 
 

@@ -197,7 +197,7 @@ def test_gpu_check_plan_sizes_every_case_for_an_h100_and_names_one_that_does_not
     """`flowrl gpu-check --plan --tiny` (about 2 minutes on two cores): the real run's batch selection for every benchmark case on the tiny models
     against an 80 GB card, every rollout plan built, the budgets summed within 7 minutes; a tree that cannot be built
     and a card too small are named in one line."""
-    from flowrl import gpu_check
+    from flowrl import gpu_check, gpu_plan
     from flowrl.cli import main
 
     assert main(["gpu-check", "--plan", "--tiny"]) == 0
@@ -206,9 +206,9 @@ def test_gpu_check_plan_sizes_every_case_for_an_h100_and_names_one_that_does_not
     assert {r["stage"] for r in plan["cases"]} == {s for s in gpu_check.STAGES if s in gpu_check.BENCH}
     assert all(r["share"] <= 0.9 and r["batch"] >= 1 for r in plan["cases"])
     monkeypatch.setitem(gpu_check.BENCH, "bench-zimage", ("zimage", {512: (8, 16)}))  # main 7d7dfac's zimage tree
-    problems = gpu_check.plan_check("H100 80GB", tiny=True, stages=["bench-zimage"], emit=lambda line: None)["problems"]
+    problems = gpu_plan.plan_check("H100 80GB", tiny=True, stages=["bench-zimage"], emit=lambda line: None)["problems"]
     assert any("bench-zimage: the tree rollout at 512 px: a tree of 16 leaves" in p for p in problems)
-    monkeypatch.setitem(gpu_check.CARDS, "H100 80GB", 2 ** 20)  # a 1 MiB card: nothing fits
+    monkeypatch.setitem(gpu_plan.CARDS, "H100 80GB", 2 ** 20)  # a 1 MiB card: nothing fits
     assert main(["gpu-check", "--plan", "--tiny", "--only", "bench-sd35m"]) == 2
     assert "gpu-check --plan: bench-sd35m: update at 32 px: train.micro_batch=auto: not even one input fits" in \
         capsys.readouterr().err

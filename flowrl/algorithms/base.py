@@ -130,6 +130,11 @@ class AlgorithmContext:
     sample: Callable[[list[str], list[int]], torch.Tensor]
 
 
+# the per-iteration hooks in the order the trainer calls them (old_decay only where an old copy is kept)
+HOOK_ORDER = ("plan", "choose_prompts", "remember_prompts", "samples_with_old_policy", "reward_advantages",
+              "observe_rewards", "select_edges", "preference_pairs", "old_decay", "observe_update")
+
+
 def declares(options: type, field: str) -> bool:
     """Whether an algorithm's ``Options`` class declares ``field`` (a universal check applies only then)."""
     return field in options.model_fields
@@ -142,16 +147,18 @@ class Algorithm:
     :class:`~flowrl.algorithms.forward_process.ForwardProcessAlgorithm`) or a method overrides what makes it
     different.
 
-    Per iteration the trainer calls, in this order:
+    Per iteration the trainer calls the hooks in the order of :data:`HOOK_ORDER` (pinned by a test):
 
-    1. :meth:`choose_prompts` (the prompts, their metadata, a group size per prompt), then :meth:`remember_prompts`;
-    2. :meth:`samples_with_old_policy` and :meth:`plan` (through the rollout runner): the rollout plan;
-    3. :meth:`reward_advantages` (which calls :meth:`advantages`): leaf rewards -> per-node advantages and keep
-       masks; :meth:`preference_pairs`: (chosen, rejected) leaves for a preference objective;
-    4. :meth:`observe_rewards`: trackers and curricula see the rewards (after the advantages used them);
-    5. :meth:`select_edges`: the edges the update trains;
-    6. the objective from :meth:`make_objective` runs the update;
-    7. :meth:`observe_update`: what the update measured; :meth:`old_decay`: how far the old copy follows.
+    1. :meth:`plan`: the rollout plan (a window, a tree);
+    2. :meth:`choose_prompts` (the prompts, their metadata, a group size per prompt), then :meth:`remember_prompts`;
+    3. :meth:`samples_with_old_policy`: whether the rollout uses the old copy of the weights;
+    4. :meth:`reward_advantages` (which calls :meth:`advantages`): leaf rewards -> per-node advantages and keep
+       masks; then :meth:`observe_rewards`: trackers and curricula see the rewards (after the advantages used them);
+    5. :meth:`select_edges`: the edges the update trains; :meth:`preference_pairs`: (chosen, rejected) leaves for a
+       preference objective;
+    6. the objective from :meth:`make_objective` (made once) runs the update;
+    7. :meth:`old_decay` (where an old copy is kept): how far it follows; :meth:`observe_update`: what the update
+       measured.
 
     At config load :meth:`validate` runs the universal checks, then the kind's (:meth:`kind_checks`), then the
     method's own :meth:`check`; :meth:`check_inputs` runs once the reward set exists; :meth:`attach` once the

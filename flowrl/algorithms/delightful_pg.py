@@ -11,7 +11,11 @@ which is this package's reading; ``raw`` uses the log-prob as it is, which turns
 
 from __future__ import annotations
 
+import torch
+
+from .. import losses
 from ..config import opt
+from ..objectives import EdgeTerms, TrainingParts, TransitionObjective, UpdateBatch
 from .transition import TransitionAlgorithm, TransitionOptions
 
 
@@ -29,7 +33,36 @@ class DelightfulPG(TransitionAlgorithm):
     refuses_grpo_guard = "the Delightful Policy Gradient has no ratio to normalise"
 
     def make_objective(self, parts):
-        """The gated objective (:class:`flowrl.objectives.DelightGatedObjective`)."""
-        from ..objectives import DelightGatedObjective
+        """The gated objective (:class:`DelightGatedObjective`, below)."""
 
         return DelightGatedObjective(self, parts)
+
+
+class DelightGatedObjective(TransitionObjective):
+    """The Delightful Policy Gradient: no ratio clip; each edge's score-function term ``-A log pi`` is weighted by
+    the detached gate ``sigmoid(A l / eta)``, where ``l = -log pi(a | s)`` is the action's surprisal
+    (:func:`flowrl.losses.delight_gated_loss`), so rare successes pass and rare failures are damped. Logs the mean
+    gate (``delight_gate``)."""
+
+    def __init__(self, algorithm, parts: TrainingParts):
+        super().__init__(algorithm, parts)
+        self.fused = None
+        self.gates: list[torch.Tensor] = []
+
+    def policy_rows(self, log_ratio: torch.Tensor, adv: torch.Tensor, edges: EdgeTerms) -> tuple[torch.Tensor, torch.Tensor]:
+        o = self.algorithm.opts
+        loss, ratio, gate = losses.delight_gated_loss(log_ratio, edges.log_prob, adv, o.eta, o.surprisal_clip,
+                                                      o.surprisal)
+        self.gates.append(gate)
+        return loss, ratio
+
+    def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
+        self.gates = []
+        return super().work_items(batch, gen)
+
+    def statistics(self) -> dict:
+        stats = super().statistics()
+        gates = torch.cat(self.gates) if self.gates else torch.zeros(0)
+        n, total = self.parts.procs.sum(len(gates)), self.parts.procs.sum(float(gates.sum()))
+        stats["delight_gate"] = total / n if n else 0.0
+        return stats

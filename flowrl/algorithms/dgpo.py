@@ -19,10 +19,14 @@ sampler is Euler's ODE (the code's is a DPM-solver)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from .. import losses
 from ..config import opt
 from ..errors import ConfigError
+from ..objectives import ForwardProcessObjective, UpdateBatch, gathered
 from .base import GroupOptions
 from .forward_process import ForwardProcessAlgorithm
 
@@ -63,8 +67,7 @@ class DGPO(ForwardProcessAlgorithm):
         return sigmas[idx].unsqueeze(0).expand(n, -1)
 
     def make_objective(self, parts):
-        """The group objective (:class:`flowrl.objectives.GroupPreferenceObjective`)."""
-        from ..objectives import GroupPreferenceObjective
+        """The group objective (:class:`GroupPreferenceObjective`, below)."""
 
         return GroupPreferenceObjective(self, parts)
 
@@ -86,3 +89,93 @@ class DGPO(ForwardProcessAlgorithm):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.optimizer_steps = state.get("optimizer_steps", 0)
+
+
+class GroupPreferenceObjective(ForwardProcessObjective):
+    """DGPO on the forward process: each work item is one prompt's group at one training sigma, re-noised with one
+    shared noise; the policy, the reference and the old (fast EMA) weights each give the group's flow-matching
+    errors, and the rows are :func:`flowrl.losses.group_preference_loss` (with :func:`flowrl.losses.dsm_clip`'s
+    samples detached) plus ``train.kl_beta`` x the velocity MSE to the reference. Logs the denoising ratio
+    (``ratio_*``, 1 on the first update) and the clipped fraction (``clipfrac``)."""
+
+    def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
+        tree, dev, cfg = batch.tree, self.parts.device, self.cfg
+        self.cond = batch.cond
+        self.x0 = tree.leaves.to(dev)  # (L, *latent)
+        self.adv = tree.leaf_values(batch.node_adv).float().clamp(-cfg.advantage.clip, cfg.advantage.clip)  # (L,)
+        self.prompt_rows = tree.leaf_group
+        self.groups = [(tree.leaf_group == g).nonzero().flatten() for g in tree.leaf_group.unique().tolist()]
+        self.t = self.algorithm.training_timesteps(len(self.groups), self.parts.sigmas, gen)  # (P, k)
+        self.losses, self.kls, self.ratios, self.clipped, self.first, self.first_dev, self.nfe = [], [], [], [], True, 0.0, 0
+        return [(g, j) for g in range(len(self.groups)) for j in range(self.t.shape[1])]
+
+    def after_optimizer_step(self) -> None:
+        """The fast EMA follows the weights after every optimizer step (the algorithm's schedule)."""
+        self.algorithm.follow_fast_ema(self.parts.policy)
+
+    def item_size(self, item) -> int:
+        return len(self.groups[item[0]])
+
+    def item_rows(self, item) -> int:
+        return len(self.groups[item[0]])
+
+    def micro_batch_loss(self, numbered: list[tuple[int, Any]], record: bool = True) -> torch.Tensor:
+        cfg, parts, policy, dev = self.cfg, self.parts, self.parts.policy, self.parts.device
+        adapter, autocast, opts = parts.adapter, parts.accelerator.autocast, self.algorithm.opts
+        members = [self.groups[g] for _, (g, _) in numbered]
+        leaves = torch.cat(members)  # (B,) every sample of the micro-batch's groups
+        sizes = [len(m) for m in members]
+        t = torch.cat([self.t[g, j].repeat(len(self.groups[g])) for _, (g, j) in numbered]).to(dev)  # (B,)
+        eps = torch.cat([self.eps[n].expand(len(self.groups[g]), *self.eps.shape[1:]) for n, (g, _) in numbered])
+        x0 = self.x0[leaves.to(dev)]
+        tt = t.view(-1, *([1] * (x0.ndim - 1)))
+        eps = eps.to(dev)
+        x_t = (1 - tt) * x0 + tt * eps  # (B, *latent): one noise per group
+        rows = self.cond.index(self.prompt_rows[leaves].to(self.cond.embeds.device))
+        with torch.no_grad(), autocast():
+            with policy.reference():
+                v_ref = adapter.velocity(x_t, t, rows)
+            with policy.old_weights():
+                v_old = adapter.velocity(x_t, t, rows)
+        with autocast():
+            v = adapter.velocity(x_t, t, rows)
+        target = eps - x0
+
+        def error(u):
+            return ((u.float() - target) ** 2).flatten(1).mean(1)  # (B,)
+
+        err, err_ref, err_old = error(v), error(v_ref), error(v_old)
+        adv = self.adv[leaves].to(dev)
+        out, clipped = [], []
+        for e, er, eo, a in zip(*(x.split(sizes) for x in (err, err_ref, err_old, adv))):
+            clip = losses.dsm_clip(e, eo, a, opts.clip_range)
+            clipped.append(clip)
+            out.append(losses.group_preference_loss(torch.where(clip, e.detach(), e), er, a, opts.dpo_beta))
+        loss = torch.cat(out)
+        kl = ((v.float() - v_ref.float()) ** 2).flatten(1).mean(1)
+        if not record:
+            return (loss + cfg.train.kl_beta * kl).sum()
+        self.nfe += 3 * len(leaves)
+        ratio = torch.exp(err_old - err.detach())
+        self.ratios.append(ratio)
+        if self.first:
+            self.first_dev = max(self.first_dev, float((ratio - 1).abs().max()))
+        self.clipped.append(torch.cat(clipped).float())
+        self.losses.append(loss.detach())
+        self.kls.append(kl.detach())
+        return (loss + cfg.train.kl_beta * kl).sum()
+
+    def end_minibatch(self, gen: torch.Generator) -> torch.Tensor | None:
+        self.first = False
+        return None
+
+    def statistics(self) -> dict:
+        procs = self.parts.procs
+        losses_, kls, ratios, clipped = gathered(procs, self.losses, self.kls, self.ratios, self.clipped)
+        return {"trained_edges": 0, "work_items": self.t.numel(), "nfe_train": procs.sum(self.nfe),
+                "clipfrac": float(clipped.mean()) if len(clipped) else 0.0,
+                "ratio_mean": float(ratios.mean()) if len(ratios) else 1.0,
+                "ratio_std": float(ratios.std(correction=0)) if len(ratios) else 0.0,
+                "ratio_max_abs_dev_first_update": max(procs.gather([self.first_dev])),
+                "policy_loss": float(losses_.mean()) if len(losses_) else 0.0,
+                "kl_loss": float(kls.mean()) if len(kls) else 0.0}

@@ -100,6 +100,7 @@ class GARDO(TransitionAlgorithm):
     # the published update (train_sd3_grpo_gardo.py, compute_log_prob) keeps CFG's unconditional half in the graph
     cfg_unconditional_grad = True
     Options = GARDOOptions
+    fusable_loss_rows = False  # loss_rows gates the KL per edge
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -178,13 +179,6 @@ class GARDO(TransitionAlgorithm):
         else:
             kl = kl * gate / self.gate_share if self.gate_share > 0 else kl * 0
         return log_prob - old_log_prob, adv, kl, step
-
-    def make_objective(self, parts):
-        from ..objectives import TransitionObjective
-
-        objective = TransitionObjective(self, parts)
-        objective.fused = None  # the KL is gated per edge in loss_rows
-        return objective
 
     def observe_update(self, stats: dict) -> None:
         super().observe_update(stats)

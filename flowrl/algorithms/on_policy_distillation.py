@@ -15,8 +15,11 @@ update's ratio is still logged and is 1."""
 
 from __future__ import annotations
 
+import torch
+
 from ..config import opt
 from ..errors import ConfigError
+from ..objectives import EdgeTerms, TrainingParts, TransitionObjective, velocities
 from .transition import TransitionAlgorithm, TransitionOptions
 
 
@@ -76,6 +79,29 @@ class OnPolicyDistillation(TransitionAlgorithm):
 
     def make_objective(self, parts):
         """The transitions' objective with the policy term scaled by ``reward_weight``."""
-        from ..objectives import DistillationObjective
 
         return DistillationObjective(self, parts)
+
+
+class DistillationObjective(TransitionObjective):
+    """On-policy distillation: the transitions' objective, whose KL term's reference is the teacher, with the PPO
+    term scaled by ``algorithm.reward_weight`` (0: the rows are the KL alone)."""
+
+    def __init__(self, algorithm, parts: TrainingParts):
+        super().__init__(algorithm, parts)
+        self.fused = None  # the policy term is scaled: the eager path
+
+    def policy_rows(self, log_ratio: torch.Tensor, adv: torch.Tensor, edges: EdgeTerms) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, ratio = super().policy_rows(log_ratio, adv, edges)
+        return self.algorithm.opts.reward_weight * loss, ratio
+
+    def velocities(self, x: torch.Tensor, sigma: torch.Tensor, rows: torch.Tensor, with_reference: bool):
+        """With one teacher per domain, each state's reference velocity is its prompt's teacher's."""
+        names = self.algorithm.teacher_of_rows(rows.tolist())  # (N,) teacher names, or None for one teacher
+        if names is None:
+            return super().velocities(x, sigma, rows, with_reference)
+        # sharded: every teacher's pass in every micro-batch (the processes' collectives must match)
+        order = sorted(self.algorithm.opts.teachers) if self.parts.policy.sharded else list(dict.fromkeys(names))
+        references = [(n, torch.tensor([i for i, m in enumerate(names) if m == n], dtype=torch.long,
+                                    device=x.device)) for n in order]
+        return velocities(self.parts, x, sigma, self.batch.cond.index(rows), with_reference, references)

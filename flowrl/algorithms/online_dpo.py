@@ -11,10 +11,14 @@ whose rewards are all equal has no pair and is skipped (the published script the
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from .. import losses
 from ..config import opt
 from ..errors import ConfigError
+from ..objectives import ForwardProcessObjective, UpdateBatch
 from .forward_process import ForwardProcessAlgorithm, StrataOptions
 
 
@@ -61,7 +65,61 @@ class OnlineDPO(ForwardProcessAlgorithm):
         return preference_pairs(scores.total, tree.leaf_group)
 
     def make_objective(self, parts):
-        """The pairwise objective (:class:`flowrl.objectives.PreferencePairObjective`)."""
-        from ..objectives import PreferencePairObjective
+        """The pairwise objective (:class:`PreferencePairObjective`, below)."""
 
         return PreferencePairObjective(self, parts)
+
+
+class PreferencePairObjective(ForwardProcessObjective):
+    """Online Diffusion-DPO on the forward process: each work item is a (chosen, rejected) pair of clean samples at
+    one training sigma, both re-noised with the same noise; the loss per pair is the algorithm's ``dpo_loss`` of the
+    policy's and the reference's flow-matching errors. Logs ``dpo_accuracy`` (pairs whose chosen sample the policy
+    already prefers relative to the reference) and ``dpo_pairs``."""
+
+    def work_items(self, batch: UpdateBatch, gen: torch.Generator) -> list:
+        tree, dev = batch.tree, self.parts.device
+        self.cond = batch.cond
+        self.x0 = tree.leaves.to(dev)  # (L, *latent)
+        self.prompt_rows = tree.leaf_group
+        self.pairs = list(batch.pairs or [])  # (chosen, rejected) leaves, one pair per group that has one
+        self.t = self.algorithm.training_timesteps(len(self.pairs), self.parts.sigmas, gen)  # (P, k)
+        self.losses, self.wins, self.nfe = [], [], 0
+        return [(p, j) for p in range(len(self.pairs)) for j in range(self.t.shape[1])]
+
+    def item_size(self, item) -> int:
+        return 2  # two samples through the policy (and two through the reference)
+
+    def micro_batch_loss(self, numbered: list[tuple[int, Any]], record: bool = True) -> torch.Tensor:
+        parts, policy, dev = self.parts, self.parts.policy, self.parts.device
+        adapter, autocast = parts.adapter, parts.accelerator.autocast
+        p_idx = torch.tensor([p for _, (p, _) in numbered])
+        t = self.t[p_idx, torch.tensor([j for _, (_, j) in numbered])].to(dev)  # (B,)
+        leaves = torch.tensor([[self.pairs[p][0], self.pairs[p][1]] for p in p_idx.tolist()])  # (B, 2)
+        x0 = self.x0[leaves.flatten().to(dev)]  # (2B, *latent): chosen, rejected, chosen, ...
+        eps = self.eps[[n for n, _ in numbered]].to(dev).repeat_interleave(2, dim=0)  # the same noise for a pair
+        t2 = t.repeat_interleave(2)
+        tt = t2.view(-1, *([1] * (x0.ndim - 1)))
+        x_t = (1 - tt) * x0 + tt * eps
+        rows = self.cond.index(self.prompt_rows[leaves.flatten()].to(self.cond.embeds.device))
+        with torch.no_grad(), autocast(), policy.reference():
+            v_ref = adapter.velocity(x_t, t2, rows)
+        with autocast():
+            v = adapter.velocity(x_t, t2, rows)
+        target = eps - x0
+        err = ((v.float() - target) ** 2).flatten(1).mean(1).view(-1, 2)  # (B, 2) chosen, rejected
+        err_ref = ((v_ref.float() - target) ** 2).flatten(1).mean(1).view(-1, 2)
+        loss = losses.dpo_loss(err[:, 0], err_ref[:, 0], err[:, 1], err_ref[:, 1], self.algorithm.opts.dpo_beta)  # (B,)
+        if not record:
+            return loss.sum()
+        self.nfe += 2 * len(numbered)
+        self.losses.append(loss.detach())
+        self.wins.append((((err[:, 0] - err_ref[:, 0]) - (err[:, 1] - err_ref[:, 1])) < 0).float().detach())
+        return loss.sum()
+
+    def statistics(self) -> dict:
+        procs = self.parts.procs
+        losses, wins = procs.gather_rows(self.losses or [torch.zeros(0)], self.wins or [torch.zeros(0)])
+        losses, wins = torch.cat(losses), torch.cat(wins)
+        return {"trained_edges": 0, "work_items": self.t.numel(), "nfe_train": procs.sum(self.nfe),
+                "policy_loss": float(losses.mean()) if len(losses) else 0.0,
+                "dpo_accuracy": float(wins.mean()) if len(wins) else 0.0}

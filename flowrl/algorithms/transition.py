@@ -32,6 +32,9 @@ class TransitionAlgorithm(Algorithm):
 
     Options = TransitionOptions
     per_edge_rows = True  # loss_rows keeps one row per edge (so train.fused_loss can clip per edge)
+    # loss_rows is the package's per-edge form with the KL as given, so the compiled fused loss computes the same
+    # rows (an algorithm that reweights rows or KLs in loss_rows sets False)
+    fusable_loss_rows = True
 
     # ------------------------------------------------------------------------------------------ plan
     def trained_steps(self, t: int) -> list[bool]:

@@ -19,7 +19,7 @@ def cmd_gpu_check(args) -> int:
         run_stage(args.stage, args.tiny, Path(args.stage_out))
         return 0
     if args.plan:  # a dry run on the CPU: every case's micro-batch and predicted peak for the named card
-        from ..gpu_check import plan_check
+        from ..gpu_plan import plan_check
 
         plan = plan_check(args.card, args.tiny, args.only, emit=lambda line: print(line, file=sys.stderr))
         print(json.dumps(plan, indent=1))

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from ..errors import FlowRLError
+from ..randomness import keeps_generators
 from ..resources import assets_dir
 from .moving import FRAMES, RESOLUTION
-
 
 # The embedded video model's fixed architecture (pretrained by `flowrl pretrain-tiny-video`): pixel space, 4 frames
 # of 20 px, 4x4-pixel patches (25 tokens per frame, 100 per clip), 4 blocks of 3 heads x 64.
@@ -38,6 +38,7 @@ def build_moving_shapes_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
+@keeps_generators
 def build_tiny_moving_shapes_pipeline(seed: int = 0, patch_size: tuple[int, int, int] | None = None):
     """The embedded video model's architecture, randomly initialised: a pixel-space (no VAE) Wan 2.1 transformer
     and a tiny UMT5 encoder with the domain tokenizer; flow-matching scheduler with shift 1."""
