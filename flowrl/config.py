@@ -691,8 +691,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         cfg.data.prompt_file = str(_resolve_data_path(cfg.data.prompt_file, path))
     if cfg.data.dataset and any(cfg.data.dataset.endswith(s) for s in (".parquet", ".jsonl", ".json", ".csv", ".arrow")):
         cfg.data.dataset = str(_resolve_data_path(cfg.data.dataset, path))  # a file: found as prompt files are
-    validate(cfg)
-    return cfg
+    return validate(cfg)
 
 
 def _resolve_data_path(name: str, config_path: Path | None) -> Path:
@@ -711,19 +710,28 @@ def _resolve_data_path(name: str, config_path: Path | None) -> Path:
     return next((c for c in candidates if c.exists()), p)
 
 
-def validate(cfg: Config) -> None:
-    """Cross-field checks that a single field's range cannot express, the algorithm's own among them: all of
-    them run here, at load, before a model is loaded or a file written."""
+def resolved(cfg: Config) -> Config:
+    """The config with its method's published defaults where it leaves those keys out (a key the config sets
+    wins): the advantage settings of the released code (BranchGRPO's ddof 1, eps 1e-8) and whether the update
+    back-propagates through CFG's unconditional half. A copy; ``cfg`` is left as it is."""
     from .registry import algorithm_class
 
-    # an algorithm's published advantage settings, where the config leaves those keys out (BranchGRPO's ddof 1,
-    # eps 1e-8); a key the config sets wins
-    for key, value in getattr(algorithm_class(cfg.algorithm.name), "advantage_defaults", {}).items():
-        if key not in cfg.advantage.model_fields_set:
-            setattr(cfg.advantage, key, value)
-    if "cfg_unconditional_grad" not in cfg.train.model_fields_set:  # the method's published choice
-        cfg.train.cfg_unconditional_grad = bool(getattr(algorithm_class(cfg.algorithm.name),
-                                                        "cfg_unconditional_grad", False))
+    method = algorithm_class(cfg.algorithm.name)
+    advantage = {k: v for k, v in getattr(method, "advantage_defaults", {}).items()
+                 if k not in cfg.advantage.model_fields_set}
+    train = ({} if "cfg_unconditional_grad" in cfg.train.model_fields_set
+             else {"cfg_unconditional_grad": bool(getattr(method, "cfg_unconditional_grad", False))})
+    return cfg.model_copy(update={"advantage": cfg.advantage.model_copy(update=advantage),
+                                  "train": cfg.train.model_copy(update=train)})
+
+
+def validate(cfg: Config) -> Config:
+    """Cross-field checks that a single field's range cannot express, the algorithm's own among them: all of
+    them run here, at load, before a model is loaded or a file written. Returns the config resolved
+    (:func:`resolved`); ``cfg`` itself is not changed."""
+    from .registry import algorithm_class
+
+    cfg = resolved(cfg)
     if not cfg.rewards:
         raise ConfigError("rewards: list at least one reward, e.g. rewards=[{name: jpeg_compressibility}]")
     if cfg.advantage.combine == "per_reward" and cfg.advantage.zero_variance in ("tracker", "drop_refill"):
@@ -804,6 +812,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.kl_std=flow_grpo: the cps kernel's std has no sqrt(|dt|) factor to remove; "
                           "use train.kl_std=transition")
     algorithm_class(cfg.algorithm.name).validate(cfg)  # the universal checks, then the algorithm's own
+    return cfg
 
 
 def to_dict(cfg) -> dict:

@@ -83,7 +83,7 @@ def launch_config(cfg):
     from .config import validate
 
     try:  # the config's checks again, on what the launch turned on (a refusal that reads train.fsdp, say)
-        validate(launched)
+        launched = validate(launched)
     except ConfigError as exc:
         raise ConfigError(f"under this accelerate launch (FSDP2 on): {exc}") from None
     return launched

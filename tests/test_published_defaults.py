@@ -281,3 +281,18 @@ def test_every_method_declares_its_cfg_gradient_and_explain_shows_it():
         assert table[name] is kept
     text = explain("train.cfg_unconditional_grad")
     assert "true: gardo, tempflow_grpo" in text and "false: ac_flow" in text
+
+
+def test_validate_returns_the_resolved_config_and_leaves_its_input_alone():
+    """A method's published defaults come back in the returned config; the config handed in keeps what it said."""
+    from flowrl.config import Config, load_config, validate
+
+    base = load_config(None, ["algorithm.name=branch_grpo", "algorithm.group_size=16"])
+    raw = Config.model_validate({**base.model_dump(exclude={"advantage", "train"}),
+                                 "train": base.train.model_dump(exclude={"cfg_unconditional_grad"}),
+                                 "algorithm": base.algorithm.model_dump()})
+    raw = raw.model_copy(update={"algorithm": base.algorithm})
+    out = validate(raw)
+    assert (out.advantage.ddof, out.advantage.eps) == (1, 1e-8)  # BranchGRPO's released torch.std and 1e-8
+    assert (raw.advantage.ddof, raw.advantage.eps) == (Config().advantage.ddof, Config().advantage.eps)
+    assert "cfg_unconditional_grad" not in raw.train.model_fields_set

@@ -48,7 +48,7 @@ def _labels(args) -> list[tuple[str, object]]:
         for section in sections + [{"name": name}]:  # CONFIG's group size where the method's tree allows it
             try:
                 one = cfg.model_copy(update={"algorithm": build_algorithm(section)}, deep=True)
-                validate(one)
+                one = validate(one)
                 out.append((name, one))
                 break
             except ConfigError as exc:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -45,20 +46,30 @@ class PromptEmbeds:
                             torch.nn.functional.pad(mask, (0, length - cur)), self.reference, self.extra)
 
 
-# Sharded training (train.fsdp) sets these while the model loads: the transformer stays off the accelerator (it is
-# sharded from the main process's copy), and the other processes build it on the meta device, without weights, so
-# that a 12-32B checkpoint is read into host memory once per machine's main process, not once per GPU.
-SHARDED_LOAD = {"active": False, "meta_transformer": False}
+@dataclass(frozen=True)
+class LoadMode:
+    """How a model loads. Sharded training (train.fsdp) loads with ``sharded``: the transformer stays off the
+    accelerator (it is sharded from the main process's copy), and with ``meta_transformer`` the other processes build
+    it on the meta device, without weights, so that a 12-32B checkpoint is read into host memory once per machine's
+    main process, not once per GPU."""
+
+    sharded: bool = False
+    meta_transformer: bool = False
+
+
+# the load mode of the current context: set only inside sharded_loading, and restored when it ends (a context
+# variable, so a load in another thread or task is not affected)
+LOAD_MODE: ContextVar[LoadMode] = ContextVar("flowrl_load_mode", default=LoadMode())
 
 
 @contextmanager
 def sharded_loading(meta_transformer: bool):
-    """Load models for sharding for the duration (see ``SHARDED_LOAD``)."""
-    SHARDED_LOAD.update(active=True, meta_transformer=meta_transformer)
+    """Load models for sharding for the duration (see :class:`LoadMode`)."""
+    token = LOAD_MODE.set(LoadMode(sharded=True, meta_transformer=meta_transformer))
     try:
         yield
     finally:
-        SHARDED_LOAD.update(active=False, meta_transformer=False)
+        LOAD_MODE.reset(token)
 
 
 def meta_transformer(pipeline_class, source: str, dtype: torch.dtype):
@@ -74,7 +85,7 @@ def meta_transformer(pipeline_class, source: str, dtype: torch.dtype):
 def load_pipeline(pipeline_class, source: str, dtype: torch.dtype, family: str, **kwargs):
     """A diffusers pipeline by hub id or local folder (downloads only where the hub is reachable)."""
     try:
-        if SHARDED_LOAD["meta_transformer"] and "transformer" not in kwargs:
+        if LOAD_MODE.get().meta_transformer and "transformer" not in kwargs:
             kwargs["transformer"] = meta_transformer(pipeline_class, source, dtype)
         return pipeline_class.from_pretrained(source, torch_dtype=dtype, **kwargs)
     except (OSError, ValueError) as exc:
@@ -232,7 +243,7 @@ class PipelineAdapter:
         # each prompt is encoded once and cached, so the text encoders (T5-XXL: 9.5 GB in bf16) can live on the
         # CPU and leave the accelerator to the transformer
         self.text_device = self.device if text_encoder_device == "same" else torch.device(text_encoder_device)
-        if SHARDED_LOAD["active"]:  # the transformer is sharded later, from the main process's copy
+        if LOAD_MODE.get().sharded:  # the transformer is sharded later, from the main process's copy
             for component in pipe.components.values():
                 if isinstance(component, torch.nn.Module) and component is not pipe.transformer:
                     component.to(self.device)
