@@ -40,12 +40,3 @@ def attention_kernels(backend: str):
     kernels = SDPA_KERNELS[backend]
     with sdpa_kernel(kernels, set_priority=True) if kernels is not None else nullcontext():
         yield
-
-
-def sdpa_kernels_in_force() -> dict[str, bool]:
-    """Which SDPA kernels PyTorch may use now (what :func:`attention_kernels` sets)."""
-    import torch
-
-    b = torch.backends.cuda
-    return {"flash": b.flash_sdp_enabled(), "efficient": b.mem_efficient_sdp_enabled(), "math": b.math_sdp_enabled(),
-            "cudnn": b.cudnn_sdp_enabled()}

@@ -15,15 +15,14 @@ transition std, noise level, SDE flag, trained-candidate flag. Leaves are the no
 
 from __future__ import annotations
 
-from collections.abc import Generator
-
 import dataclasses
 import math
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
 
-from .samplers import RolloutPlan, StepSpec
+from .samplers import RolloutPlan
 from .samplers.kernels import step as kernel_step
 
 
@@ -95,27 +94,6 @@ class Tree:
     def mean(self) -> list[torch.Tensor]:
         """Per round, the edges' sampling means; empty when the rollout did not keep them."""
         return [r.mean for r in self.rounds] if self.rounds and self.rounds[0].mean is not None else []
-
-    @classmethod
-    def skeleton(cls, parents: list[list[int]], log_probs: list[list[float]] | None = None,
-                 groups: list[int] | None = None) -> "Tree":
-        """A latent-free tree from its structure, for hand-computed checks: ``parents[r - 1]`` lists the parent
-        (position in round r - 1) of every node of round r; every node of the last round is a leaf; all edges
-        are SDE and trained. ``groups`` gives each root's prompt row (default: all 0)."""
-        n0 = len(groups) if groups else 1 + max(parents[0], default=0)
-        t = len(parents)
-        lps = [[0.0] * n0] + (log_probs or [[0.0] * len(p) for p in parents])
-        rounds = []
-        for r, par in enumerate([[-1] * n0] + parents):
-            k = len(par)
-            par = torch.tensor(par)
-            root = torch.arange(n0) if r == 0 else rounds[r - 1].root[par]
-            group = torch.tensor(groups or [0] * n0) if r == 0 else rounds[r - 1].group[par]
-            rounds.append(Round(torch.zeros(k, 1), torch.full((k,), r), group, root, torch.full((k,), -1), par,
-                                torch.tensor(lps[r], dtype=torch.float32), torch.zeros(k), torch.zeros(k),
-                                torch.ones(k, dtype=torch.bool), torch.ones(k, dtype=torch.bool),
-                                torch.zeros(k, dtype=torch.long)))
-        return cls(torch.linspace(1, 0, t + 1), rounds, RolloutPlan([StepSpec() for _ in range(t)], roots_per_prompt=n0))
 
     @classmethod
     def concat(cls, trees: list["Tree"]) -> "Tree":

@@ -76,10 +76,6 @@ class RolloutRunner:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    @property
-    def reward_worker_running(self) -> bool:
-        return self._pool is not None
-
     def _worker(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-reward")

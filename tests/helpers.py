@@ -1,6 +1,9 @@
 """User-style reward functions referenced as ``tests.helpers:function`` in tests, and shared test drivers."""
 
 import torch
+from flowrl.samplers import RolloutPlan, StepSpec
+
+from flowrl.engine import Round, Tree
 
 
 def wrong_shape(images, prompts, metadata):
@@ -142,3 +145,24 @@ class NaNCurve(ScriptedCurve):
     """An evaluator whose numbers are NaN at every point (a broken metric)."""
 
     SCRIPT = [float("nan")]
+
+
+def tree_skeleton(parents: list[list[int]], log_probs: list[list[float]] | None = None,
+             groups: list[int] | None = None) -> Tree:
+    """A latent-free tree from its structure, for hand-computed checks: ``parents[r - 1]`` lists the parent
+    (position in round r - 1) of every node of round r; every node of the last round is a leaf; all edges
+    are SDE and trained. ``groups`` gives each root's prompt row (default: all 0)."""
+    n0 = len(groups) if groups else 1 + max(parents[0], default=0)
+    t = len(parents)
+    lps = [[0.0] * n0] + (log_probs or [[0.0] * len(p) for p in parents])
+    rounds = []
+    for r, par in enumerate([[-1] * n0] + parents):
+        k = len(par)
+        par = torch.tensor(par)
+        root = torch.arange(n0) if r == 0 else rounds[r - 1].root[par]
+        group = torch.tensor(groups or [0] * n0) if r == 0 else rounds[r - 1].group[par]
+        rounds.append(Round(torch.zeros(k, 1), torch.full((k,), r), group, root, torch.full((k,), -1), par,
+                            torch.tensor(lps[r], dtype=torch.float32), torch.zeros(k), torch.zeros(k),
+                            torch.ones(k, dtype=torch.bool), torch.ones(k, dtype=torch.bool),
+                            torch.zeros(k, dtype=torch.long)))
+    return Tree(torch.linspace(1, 0, t + 1), rounds, RolloutPlan([StepSpec() for _ in range(t)], roots_per_prompt=n0))

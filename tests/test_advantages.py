@@ -5,7 +5,7 @@ import torch
 
 from flowrl.advantages import group_advantages
 from flowrl.config import AdvantageConfig
-from flowrl.engine import Tree
+from tests.helpers import tree_skeleton
 
 
 def test_group_zscore_by_hand():
@@ -45,7 +45,7 @@ def test_all_equal_group_gives_zero_not_nan():
 
 def test_edge_values_are_mean_of_descendant_leaves():
     # root -> 2 children -> each 2 leaves: edge into a depth-1 node gets the mean of its two leaves
-    tree = Tree.skeleton([[0, 0], [0, 0, 1, 1]])
+    tree = tree_skeleton([[0, 0], [0, 0, 1, 1]])
     values = tree.node_values_from_leaves(torch.tensor([1.0, 3.0, -2.0, 0.0]))
     assert values[1].tolist() == [2.0, -1.0]
     assert values[0].tolist() == [0.5]
@@ -58,10 +58,9 @@ def test_per_reward_advantages_weight_normalised_components():
 
     from flowrl.algorithms import make_algorithm
     from flowrl.config import load_config
-    from flowrl.engine import Tree
 
     cfg = load_config(None, ["advantage.combine=per_reward"])
-    tree = Tree.skeleton([[0, 1, 2, 3]], groups=[0, 0, 0, 0])  # one group of 4 one-step leaves
+    tree = tree_skeleton([[0, 1, 2, 3]], groups=[0, 0, 0, 0])  # one group of 4 one-step leaves
     a, b = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([100.0, 100.0, 300.0, 300.0])
     scores = RewardScores(a + 0.5 * b, {"a": a, "b": b}, torch.zeros(4, dtype=torch.bool))
     adv, keep, _ = make_algorithm(cfg).reward_advantages(tree, scores, {"a": 1.0, "b": 0.5}, 0)

@@ -6,9 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl.attention import attention_kernels, sdpa_kernels_in_force
+from flowrl.attention import attention_kernels
 from flowrl.config import load_config
 from flowrl.errors import ConfigError
+
+
+def sdpa_kernels_in_force() -> dict[str, bool]:
+    """Which SDPA kernels PyTorch may use now (what :func:`attention_kernels` sets)."""
+    import torch
+
+    b = torch.backends.cuda
+    return {"flash": b.flash_sdp_enabled(), "efficient": b.mem_efficient_sdp_enabled(), "math": b.math_sdp_enabled(),
+            "cudnn": b.cudnn_sdp_enabled()}
+
 
 SAFE = {"flash": True, "efficient": True, "math": True, "cudnn": False}
 

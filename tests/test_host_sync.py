@@ -1,5 +1,5 @@
 """The rollout makes a fixed number of host synchronisations whatever the number of denoising rounds: counted on
-the CPU by :class:`flowrl.host_sync.HostSyncCounter` (the operations that make a CUDA host wait, here on CPU
+the CPU by :class:`tests.host_sync.HostSyncCounter` (the operations that make a CUDA host wait, here on CPU
 tensors), with hand-made cases showing what the counter sees."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl.host_sync import HostSyncCounter
+from tests.host_sync import HostSyncCounter
 
 
 def test_the_counter_sees_each_kind_of_synchronising_operation_and_nothing_else():

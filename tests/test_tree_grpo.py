@@ -8,7 +8,7 @@ import torch
 
 from flowrl.algorithms.tree_grpo import TreeGRPO, window_start_law
 from flowrl.config import load_config
-from flowrl.engine import Tree
+from tests.helpers import tree_skeleton
 
 
 def test_the_window_start_follows_the_truncated_geometric_law():
@@ -36,7 +36,7 @@ def test_the_sibling_softmax_backup_by_hand():
     """Two levels, k = 2: leaves a..d with advantages; each parent's advantage is sum_e softmax(logp_e) A_e, and the
     root's edges carry the parents' advantages."""
     lp1, lp2 = [0.2, -0.4], [0.1, 0.3, -1.0, 0.5]
-    tree = Tree.skeleton([[0, 0], [0, 0, 1, 1]], [lp1, lp2])
+    tree = tree_skeleton([[0, 0], [0, 0, 1, 1]], [lp1, lp2])
     algo = TreeGRPO(load_config("configs/tiny_shapes_tree_grpo.yaml", ["advantage.ddof=0", "advantage.eps=0"]))
     rewards = torch.tensor([1.0, 0.0, 0.5, 2.0])
     node_adv, keep, _ = algo.advantages(tree, rewards, 0)

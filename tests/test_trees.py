@@ -13,6 +13,7 @@ from flowrl.algorithms import make_algorithm
 from flowrl.algorithms.e_grpo import entropy_merge_lengths, step_entropy_score
 from flowrl.config import load_config
 from flowrl.engine import Tree, rollout, sibling_noise
+from tests.helpers import tree_skeleton
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,7 +24,7 @@ def skeleton_from_plan(plan) -> Tree:
     for s in plan.steps:
         parents.append(torch.arange(n).repeat_interleave(s.branch).tolist())
         n *= s.branch
-    return Tree.skeleton(parents, groups=[0] * plan.roots_per_prompt)
+    return tree_skeleton(parents, groups=[0] * plan.roots_per_prompt)
 
 
 def branch_cfg(*overrides):
@@ -61,7 +62,7 @@ def test_width_pruning_trains_138_of_218_edges():
 
 def test_pruning_keeps_exactly_the_expected_edges_on_a_hand_tree():
     # splits at steps 0 and 1 (K = 2), one more step: round 3 holds the post-split edges (one per chain)
-    tree = Tree.skeleton([[0, 0], [0, 0, 1, 1], [0, 1, 2, 3]])
+    tree = tree_skeleton([[0, 0], [0, 0, 1, 1], [0, 1, 2, 3]])
     r = torch.tensor([1.0, 3.0, -2.0, 0.0])
     values = trees.fuse_rewards(tree, r)
     adv, _ = trees.depth_advantages(tree, values)
@@ -77,7 +78,7 @@ def test_pruning_keeps_exactly_the_expected_edges_on_a_hand_tree():
 
 # ------------------------------------------------------------------------------------------- advantages
 def test_uniform_fusion_and_depth_zscore_by_hand():
-    tree = Tree.skeleton([[0, 0], [0, 0, 1, 1]])
+    tree = tree_skeleton([[0, 0], [0, 0, 1, 1]])
     values = trees.fuse_rewards(tree, torch.tensor([1.0, 3.0, -2.0, 0.0]))
     assert values[1].tolist() == [2.0, -1.0] and values[0].tolist() == [0.5]
     adv, stats = trees.depth_advantages(tree, values, ddof=1, eps=0.0)
@@ -93,14 +94,14 @@ def test_several_trees_per_prompt_pool_their_depth_statistics_by_hand():
     rewards (1, 2 | 3, 6). Per tree the depth-1 z-scores are only signs (-0.707, +0.707 in both trees); pooled over
     the prompt's trees: mean 3, unbiased std sqrt(14 / 3), so (-2, -1, 0, 3) / 2.1602. A second prompt's trees
     form their own pool."""
-    tree = Tree.skeleton([[0, 0, 1, 1], [0, 1, 2, 3]], groups=[0, 0])
+    tree = tree_skeleton([[0, 0, 1, 1], [0, 1, 2, 3]], groups=[0, 0])
     values = trees.fuse_rewards(tree, torch.tensor([1.0, 2.0, 3.0, 6.0]))
     adv, stats = trees.depth_advantages(tree, values, ddof=1, eps=0.0)
     std = math.sqrt(14 / 3)
     for r in (1, 2):
         assert adv[r] == pytest.approx([-2 / std, -1 / std, 0.0, 3 / std], abs=1e-6)
     assert stats == {"depth_groups": 2, "depth_groups_zero_std": 0}
-    two = Tree.skeleton([[0, 0, 1, 1], [0, 1, 2, 3]], groups=[0, 1])  # one tree per prompt: per-tree signs
+    two = tree_skeleton([[0, 0, 1, 1], [0, 1, 2, 3]], groups=[0, 1])  # one tree per prompt: per-tree signs
     adv2, _ = trees.depth_advantages(two, trees.fuse_rewards(two, torch.tensor([1.0, 2.0, 3.0, 6.0])), ddof=1, eps=0.0)
     assert adv2[1] == pytest.approx([-1 / math.sqrt(2), 1 / math.sqrt(2)] * 2, abs=1e-6)
 
@@ -115,7 +116,7 @@ def test_branch_grpo_plans_several_trees_per_prompt():
 
 def test_weighted_fusions_by_hand():
     # edge log-probs: round 1 (0, -1); round 2 (0, ln 3, 0, 0)
-    tree = Tree.skeleton([[0, 0], [0, 0, 1, 1]], log_probs=[[0.0, -1.0], [0.0, math.log(3), 0.0, 0.0]])
+    tree = tree_skeleton([[0, 0], [0, 0, 1, 1]], log_probs=[[0.0, -1.0], [0.0, math.log(3), 0.0, 0.0]])
     r = torch.tensor([1.0, 3.0, -2.0, 0.0])
     path = trees.fuse_rewards(tree, r, "path_weighted", beta=1.0)
     assert path[1].tolist() == pytest.approx([(1 + 3 * 3) / 4, -1.0])
@@ -128,7 +129,7 @@ def test_weighted_fusions_by_hand():
 
 
 def test_equal_rewards_give_zero_advantages_without_nan():
-    tree = Tree.skeleton([[0, 0], [0, 0, 1, 1]])
+    tree = tree_skeleton([[0, 0], [0, 0, 1, 1]])
     values = trees.fuse_rewards(tree, torch.full((4,), 0.25))
     adv, stats = trees.depth_advantages(tree, values)
     assert all(torch.isfinite(a).all() and (a == 0).all() for a in adv)
@@ -136,7 +137,7 @@ def test_equal_rewards_give_zero_advantages_without_nan():
 
 
 def test_nan_leaf_is_left_out_of_fusion():
-    tree = Tree.skeleton([[0, 0], [0, 0, 1, 1]])
+    tree = tree_skeleton([[0, 0], [0, 0, 1, 1]])
     values = trees.fuse_rewards(tree, torch.tensor([1.0, float("nan"), -2.0, 0.0]))
     assert values[1].tolist() == [1.0, -1.0]
 
