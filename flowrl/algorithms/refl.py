@@ -133,7 +133,7 @@ class RewardBackpropObjective(Objective):
         pass
 
     def micro_batch_loss(self, numbered: list[tuple[int, Any]], record: bool = True) -> torch.Tensor:
-        from .models.base import decode_with_grad
+        from ..models.base import decode_with_grad
 
         cfg, parts, dev = self.cfg, self.parts, self.parts.device
         leaves = torch.tensor([i for _, i in numbered])
@@ -168,7 +168,7 @@ class RewardBackpropObjective(Objective):
 
     def _refl_loss(self, x, sigma, cond, rows, record: bool) -> torch.Tensor:
         """ReFL's rows: x (B, *latent) the states at the stop steps, sigma (B,) theirs."""
-        from .models.base import decode_with_grad
+        from ..models.base import decode_with_grad
 
         cfg, parts, opts = self.cfg, self.parts, self.algorithm.opts
         v, v_ref = velocities(parts, x, sigma, cond, cfg.train.kl_beta > 0)
