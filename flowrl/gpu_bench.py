@@ -161,8 +161,11 @@ def _cond(model: BenchModel, n: int, tiny: bool) -> PromptEmbeds:
     return PromptEmbeds(embeds, pooled)
 
 
+UPDATE_REPEATS = 2  # timed update steps after the warm-up (flowrl gpu-check --plan predicts a stage's time by it)
+
+
 def update_step(model: BenchModel, px: int, batch: int, tiny: bool, *, fused_adamw: bool, checkpointing: bool,
-                repeats: int = 3, count_flops: bool = True) -> dict:
+                repeats: int = UPDATE_REPEATS, count_flops: bool = True) -> dict:
     """One LoRA GRPO update on ``batch`` edges at ``px``: forward, per-edge objective, backward, AdamW step, timed
     over ``repeats`` steps after a warm-up. Its FLOPs are counted on a one-edge step without gradient checkpointing
     (MFU does not credit recomputation) times ``batch`` (every edge has the same tokens), so the count never holds
@@ -325,11 +328,12 @@ def run_gpu_bench(families=("sd35m", "flux1"), resolutions=(512, 1024), batch: i
                   peak_tflops: float | None = None, tiny: bool = False, device: str | None = None, emit=print,
                   compiled: bool = True, attention_backend: str = "native", steps: int = 20, chains: int = 16,
                   cases: tuple[str, ...] = ("update", "update unfused-adamw", "update checkpointing"),
-                  most_batch: int = 32) -> list[dict]:
+                  most_batch: int | dict[str, int] = 32) -> list[dict]:
     """Every case of every family, each row passed to ``emit`` (as one JSON line) as soon as it is measured; the
     attention kernels those of ``train.attention_backend`` (:mod:`flowrl.attention`). ``resolutions`` per family: a
     tuple, or a dict family -> tuple; ``steps`` and ``chains`` likewise (dicts keyed by (family, px)).
-    ``batch="auto"``: each update case at the micro-batch ``train.micro_batch=auto`` picks (at most ``most_batch``)."""
+    ``batch="auto"``: each update case at the micro-batch ``train.micro_batch=auto`` picks (at most ``most_batch``,
+    or its entry for the case where it is a dict)."""
     from .attention import attention_kernels
 
     with attention_kernels(attention_backend):
@@ -369,7 +373,8 @@ def _run_gpu_bench(families, resolutions, batch, prompts, peak_tflops, tiny, dev
             for name in cases:
                 fused, ckpt = UPDATE_CASES[name]
                 try:
-                    n, why = (auto_batch(family, px, dev, ckpt, most_batch, H100_BYTES if tiny else None)
+                    most = most_batch[name] if isinstance(most_batch, dict) else most_batch
+                    n, why = (auto_batch(family, px, dev, ckpt, most, H100_BYTES if tiny else None)
                               if batch == "auto" else (batch, None))
                 except ConfigError as exc:  # not even one edge fits this card: say so, measure the rest
                     emit_row({"family": family, "px": px, "case": name, "skipped": str(exc)})
@@ -394,7 +399,8 @@ def _run_gpu_bench(families, resolutions, batch, prompts, peak_tflops, tiny, dev
 
             counted = []
             for px in sizes:
-                n = batch if batch != "auto" else auto_batch(family, px, dev, False, most_batch,
+                most = most_batch["update"] if isinstance(most_batch, dict) else most_batch
+                n = batch if batch != "auto" else auto_batch(family, px, dev, False, most,
                                                              H100_BYTES if tiny else None)[0]
                 counted.append((px, n, update_step(model, px, n, tiny, fused_adamw=True, checkpointing=False,
                                                    repeats=0)["flops"]))

@@ -217,9 +217,12 @@ def test_gpu_check_plan_sizes_every_case_for_an_h100_and_names_one_that_does_not
 @pytest.mark.heavy
 def test_gpu_check_plan_at_real_size_fits_an_h100(capsys):
     """The real-size plan (every family's published architecture, measured on replicas on the CPU; about 3 minutes
-    on two cores): every case within 90% of an 80 GB card."""
+    on two cores): every case within 90% of an 80 GB card, every stage's predicted time within its budget."""
     from flowrl.cli import main
 
     assert main(["gpu-check", "--plan"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["problems"] == [] and max(r["share"] for r in plan["cases"]) <= 0.9
+    # every benchmark stage's time, predicted from the measured H100 rates, within its budget; the budgets in 7 min
+    assert len(plan["predicted_s"]) == 9 and plan["budget_total_s"] <= 420
+    assert all(0 < seconds <= plan["budgets"][stage] for stage, seconds in plan["predicted_s"].items())

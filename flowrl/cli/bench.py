@@ -96,8 +96,8 @@ def add_parsers(sub) -> None:
     gc.add_argument("--out", default="gpu_check", help="folder for gpu_check.json and gpu_check.md (a new one)")
     gc.add_argument("--only", nargs="+", metavar="STAGE", help="run only these stages")
     gc.add_argument("--plan", action="store_true", help="a dry run on the CPU: every benchmark case's micro-batch and "
-                    "predicted peak memory on --card (the real run's batch selection), every rollout plan built, the "
-                    "budgets summed; fails in one line naming a case that would not fit")
+                    "predicted peak memory on --card (the real run's batch selection), every rollout plan built, each "
+                    "stage's seconds predicted from the measured H100 rates against its budget, the budgets summed; fails in one line naming a case that would not fit")
     gc.add_argument("--card", default="H100 80GB", choices=["H100 80GB", "H200", "A100 80GB", "A100 40GB"],
                     help="the card --plan sizes for")
     gc.add_argument("--stage", help=argparse.SUPPRESS)
