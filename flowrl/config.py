@@ -439,10 +439,6 @@ class Config(Section):
 
 
 # --------------------------------------------------------------------------------------------- parsing
-# keys that moved in the per-algorithm redesign: the old spelling -> what to write now
-MOVED = {"algorithm.max_batch": "sampler.max_batch", "algorithm.loss_weight": "algorithm.loss_weight (tempflow_grpo, "
-         "superflow only)"}
-_FLATTENED = ("tree", "side", "chunk", "tracker", "curriculum")  # sub-sections of the early layout, now flat
 
 
 def _section_type(tp):
@@ -464,8 +460,6 @@ def _all_keys(cls, prefix="") -> list[str]:
 
 
 def _unknown(key: str, cls, prefix: str) -> ConfigError:
-    if key in MOVED:
-        return ConfigError(f"config key {key!r} has moved: use {MOVED[key]}")
     close = difflib.get_close_matches(key, _all_keys(cls, prefix), n=1, cutoff=0.5)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return ConfigError(f"unknown config key {key!r}{hint}")
@@ -560,15 +554,9 @@ def build_algorithm(value, key: str = "algorithm"):
     if not isinstance(name, str):
         raise ConfigError(f"{key}.name: expected a string, got {name!r}")
     options = algorithm_class(name).Options
-    for sub in _FLATTENED:  # old-style keys written by hand: say where they went
-        if isinstance(value.get(sub), dict):
-            raise ConfigError(f"{key}.{sub}: the {sub} options now sit directly under algorithm (e.g. "
-                              f"algorithm.{next(iter(value[sub]), 'name')}); see configs/ for the current form")
     unknown = [k for k in value if k not in options.model_fields]
     if unknown:
         k = unknown[0]
-        if f"{key}.{k}" in MOVED:
-            raise _unknown(f"{key}.{k}", Config, "")
         valid = ", ".join(f for f in options.model_fields if f != "name")
         close = difflib.get_close_matches(str(k), list(options.model_fields), n=1)
         hint = f"did you mean {key}.{close[0]!r}? " if close else ""
