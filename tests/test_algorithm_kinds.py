@@ -62,7 +62,7 @@ def test_no_algorithm_subclasses_another_except_as_a_documented_variant():
         assert vars(cls).get("variant_of") is cls.__bases__[0] is concrete_parents[0], (
             f"{name} subclasses {concrete_parents[0].__name__} without declaring variant_of")
         assert cls.__doc__ and "variant" in cls.__doc__, f"{name}: a variant says so in its docstring"
-    assert variants == 5  # Flow-GRPO-Fast, MixGRPO, Customized-GRPO, Euphonium, SFT
+    assert variants == 6  # Flow-GRPO-Fast, MixGRPO, Customized-GRPO, Euphonium, SFT, DiverseGRPO
     kinds = {c: [n for c2, n in classes.items() if issubclass(c2, c)] for c in (TransitionAlgorithm,
                                                                                  ForwardProcessAlgorithm)}
     assert set(kinds[ForwardProcessAlgorithm]) == {"diffusion_nft", "awm", "dgpo", "sft", "online_dpo", "ac_flow"}

@@ -61,6 +61,7 @@ ALGORITHMS = {
     "euphonium": ["sampler.kernel=dance", "algorithm.guidance_start=2", "algorithm.group_size=2"],
     "ac_flow": ["algorithm.group_size=2", "algorithm.timesteps_per_sample=1", "algorithm.critic_warmup=0"],
     "tree_grpo": ["algorithm.branch_factor=2", "algorithm.depth=2"],
+    "diverse_grpo": ["train.kl_beta=0.5"],
 }
 DIFFERENTIABLE = {f: "tests.helpers:brightness" for f in FAMILIES}
 DIFFERENTIABLE["wan"] = DIFFERENTIABLE["hunyuanvideo15"] = DIFFERENTIABLE["ltx2"] = "tests.helpers:video_brightness"
