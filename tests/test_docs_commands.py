@@ -31,7 +31,7 @@ NOT_HERE = {
     "flowrl bench-gpu": "needs a CUDA device (its --tiny form runs in tests/test_cli.py)",
     "flowrl train configs/sd35m_": "needs the published weights",
     "flowrl sample configs/sd35m_": "needs the published weights and a run of them",
-    "flowrl rank --plan": "trains 89 runs, about 3 hours (the plan's code path runs in tests/test_rank_plan.py)",
+    "flowrl rank --plan": "trains 95 runs, about 3 hours (the plan's code path runs in tests/test_rank_plan.py)",
     "flowrl train configs/my_": "the page's own placeholder config",
 }
 # printed -> run: the same command with less work
