@@ -39,7 +39,7 @@ CASES = {
                                                        "train.lr=1e-4"]),
     # Wan 2.2's two experts, full fine-tuning of the high-noise one with its frozen reference
     "wan22_two_experts": ("tiny_video_default.yaml", ["model.pretrained=tiny", "model.tiny.experts=2",
-                                                      "train.prompts_per_iter=3", "algorithm.group_size=4",
+                                                      "model.num_frames=5", "train.prompts_per_iter=3", "algorithm.group_size=4",
                                                       "sampler.rollout_batches=3", "log.eval=none"]),
     # HSDP: a 2D mesh (2 replicas x 1), gathered weights kept to the backward, recomputed activations
     "flow_grpo_hsdp": ("tiny_flow_grpo.yaml", ["train.prompts_per_iter=2", "train.fsdp.shard_size=1",
@@ -347,7 +347,8 @@ CONTEXT = {
     # FLUX, LoRA: two processes split every sample's tokens (Ulysses 2); one data-parallel group
     "flux_ulysses": ("tiny_flux_branch_grpo.yaml", ["sampler.rollout_batches=1", "train.context_parallel.ulysses=2"]),
     # Wan, full fine-tuning with its reference: Ulysses 2 composed with FSDP2 over the same two processes
-    "wan_ulysses_fsdp": ("tiny_video_default.yaml", ["model.pretrained=tiny", "train.prompts_per_iter=2",
+    "wan_ulysses_fsdp": ("tiny_video_default.yaml", ["model.pretrained=tiny", "model.num_frames=5",
+                                                     "train.prompts_per_iter=2",
                                                      "algorithm.group_size=4", "log.eval=none",
                                                      "sampler.rollout_batches=1", "train.context_parallel.ulysses=2",
                                                      FSDP]),
