@@ -3,28 +3,22 @@ its AdamW optimizer and optional EMA of the trained weights."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
 from .errors import ConfigError
 
 
-def add_lora(transformer, lora_cfg, default_targets: list[str], seed: int | None = None) -> None:
-    """LoRA on ``transformer``'s target modules; with ``seed``, its initial weights are drawn from generators seeded
-    with it (whatever the process drew before: every process of a run, and a run alone or sharded, starts equal)."""
+def add_lora(transformer, lora_cfg, default_targets: list[str]) -> None:
     from peft import LoraConfig
-
-    from .randomness import seeded
 
     targets = lora_cfg.targets or default_targets
     present = {name for name, _ in transformer.named_modules()}
     if not any(any(n.endswith(t) for n in present) for t in targets):
         raise ConfigError(f"train.lora.targets: none of {targets} name a module of this transformer")
-    device = next(transformer.parameters()).device
-    with seeded(seed, device) if seed is not None else nullcontext():
-        transformer.add_adapter(LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, init_lora_weights="gaussian",
-                                           target_modules=targets, lora_dropout=0.0))
+    transformer.add_adapter(LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, init_lora_weights="gaussian",
+                                       target_modules=targets, lora_dropout=0.0))
 
 
 
@@ -86,7 +80,7 @@ class Policy:
         transformer = adapter.transformer
         if self.lora:
             transformer.requires_grad_(False)
-            add_lora(transformer, cfg.train.lora, adapter.lora_targets, seed=cfg.train.seed)
+            add_lora(transformer, cfg.train.lora, adapter.lora_targets)
         else:
             transformer.requires_grad_(True)
         for p in transformer.parameters():  # trainable weights stay fp32 (mixed precision autocasts the forward)

@@ -32,7 +32,6 @@ from .objectives import TrainingParts, UpdateBatch
 from .optimise import check_update_composition, optimise
 from .policy import Policy
 from .prompts import PromptSource
-from .randomness import seeded
 from .registry import EVALUATORS
 from .rewards import build_reward_set
 from .rollout_runner import RolloutOptions, RolloutRunner
@@ -76,10 +75,11 @@ class Trainer:
                  callbacks: list | None = None):
         self.cfg = cfg = launch_config(cfg)  # under an FSDP accelerate launch, a copy with train.fsdp on
         self.device = resolve_device(cfg.device)
-        # model builds and LoRA's initial weights draw from torch's global generator: seeded for the setup, and the
-        # caller's generator restored after it
-        with seeded(cfg.train.seed, self.device):
-            self._setup(cfg, config_name, run_dir, callbacks)
+        # LoRA's initial weights, and what a family's transformer draws while it trains, come from torch's global
+        # generator: the run seeds it (the same state on every process; a model builder restores it after seeding
+        # its own build, so a process that builds more, or probes memory, still starts training in step)
+        torch.manual_seed(cfg.train.seed)
+        self._setup(cfg, config_name, run_dir, callbacks)
 
     def _setup(self, cfg: Config, config_name: str, run_dir, callbacks) -> None:
         """The run's parts, in the order that refuses bad input before a model loads or the run folder is touched:

@@ -13,7 +13,6 @@ import torch
 
 from flowrl.errors import RewardError
 
-from ..randomness import keeps_generators
 from .backbones import HFClip
 from .loading import check_images
 
@@ -46,7 +45,6 @@ class RandomPickScore(PickScore):
     there is one: ``rewards[i].name: flowrl.rewards.pickscore:RandomPickScore`` (``flowrl gpu-check``'s
     end-to-end stage times a preset at real size with it; its scores are arbitrary)."""
 
-    @keeps_generators
     def __init__(self, scale: str = "flow_grpo", shrunk: bool = False, seed: int = 1):
         from transformers import CLIPConfig, CLIPModel
 

@@ -1,6 +1,6 @@
-"""Library code leaves the process as it found it: a trainer seeds torch's global generator only inside its own
-setup (and restores the caller's), so two trainers built one after the other in one process each start as they
-would alone."""
+"""A trainer's setup leaves the processes of a run in step: the run seeds torch's global generator with
+train.seed, so two trainers built one after the other in one process (the global generator drawn from in between)
+each start as they would alone, and the memory probe's own seeding, on the main process only, is undone."""
 
 import math
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flowrl.config import load_config
+from flowrl.randomness import keeps_generators
 from flowrl.trainer import Trainer
 
 TIMING = ("second", "time", "tflops", "mfu", "images_per_second", "peak_memory", "memory_mb")
@@ -19,16 +20,21 @@ def _trainer(out, *overrides):  # the LoRA preset: peft draws LoRA's initial wei
         "log.eval_every=0", "guard.enabled=false", "train.iterations=1", *overrides]))
 
 
-def _same(a: dict, b: dict) -> list[str]:
+def _differing(a: dict, b: dict) -> list[str]:
     return [k for k in a if not any(t in k for t in TIMING) and not (
         a[k] == b.get(k) or (isinstance(a[k], float) and math.isnan(a[k]) and math.isnan(b.get(k, 0.0))))]
 
 
-def test_a_trainer_restores_the_callers_global_generator(tmp_path):
+def test_a_builder_that_seeds_itself_leaves_the_callers_generator_where_it_was():
+    @keeps_generators
+    def probe():
+        torch.manual_seed(0)
+        return torch.rand(3)
+
     torch.manual_seed(1234)
     before = torch.get_rng_state()
-    _trainer(tmp_path / "a")
-    assert torch.equal(torch.get_rng_state(), before)
+    first = probe()
+    assert torch.equal(torch.get_rng_state(), before) and torch.equal(probe(), first)
 
 
 @pytest.mark.heavy
@@ -38,4 +44,4 @@ def test_two_trainers_one_after_the_other_start_as_each_alone(tmp_path):
     torch.rand(12345)  # whatever the caller does with the global generator in between
     second = _trainer(tmp_path / "b").iteration(0)
     assert first["reward_mean/total"] == second["reward_mean/total"]
-    assert not _same(first, second), _same(first, second)
+    assert not _differing(first, second), _differing(first, second)

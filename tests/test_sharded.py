@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_distributed import CLOSE, EXACT, ROOT, _rows, _train
+from tests.test_distributed import CLOSE, EXACT, ROOT, _rows, _train, assert_close_statistic
 
 pytestmark = pytest.mark.heavy  # processes launched in subprocesses: `make test-heavy`
 
@@ -107,9 +107,7 @@ def test_fsdp_two_processes_equal_one_unsharded_process(tmp_path, case):
                     assert a[k] == b[k], k
         for k in (k for k in CLOSE if k in a or k in b):  # the statistics this objective measures
             assert k in a and k in b, k
-            # the mean |log ratio| (~5e-5 after a full fine-tuning step) is a mean of differences of fp32 log-probs
-            # of order 1: their rounding (~6e-8 each) bounds its agreement in absolute terms
-            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-8 if k == "mean_abs_log_ratio" else 1e-9), k
+            assert_close_statistic(k, a[k], b[k])
         # each process holds half of the weights, gradients and optimizer state (LoRA: of the adapter; the
         # frozen base weights are sharded too)
         shards = 1 if case == "flow_grpo_hsdp" else 2  # HSDP 2 x 1: each replica holds a whole copy
@@ -347,7 +345,7 @@ CONTEXT = {
     # FLUX, LoRA: two processes split every sample's tokens (Ulysses 2); one data-parallel group
     "flux_ulysses": ("tiny_flux_branch_grpo.yaml", ["sampler.rollout_batches=1", "train.context_parallel.ulysses=2"]),
     # Wan, full fine-tuning with its reference: Ulysses 2 composed with FSDP2 over the same two processes
-    "wan_ulysses_fsdp": ("tiny_video_default.yaml", ["model.pretrained=tiny", "model.num_frames=5",
+    "wan_ulysses_fsdp": ("tiny_video_default.yaml", ["model.pretrained=tiny", "model.num_frames=3",
                                                      "train.prompts_per_iter=2",
                                                      "algorithm.group_size=4", "log.eval=none",
                                                      "sampler.rollout_batches=1", "train.context_parallel.ulysses=2",

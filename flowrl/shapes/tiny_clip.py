@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..randomness import keeps_generators
 from .domain import all_specs, render, split_specs
 from .pretrain import check_replaceable, fresh_sibling, replace_folder, shapes_batch
 
@@ -37,7 +36,6 @@ def retrieval_accuracy(model, tokenizer, seeds=range(4)) -> dict:
     return out
 
 
-@keeps_generators
 def pretrain_tiny_clip(steps: int = 1500, batch: int = 64, lr: float = 1e-3, seed: int = 0,
                        export_dir: str | Path | None = None, progress: bool = True) -> dict:
     import open_clip

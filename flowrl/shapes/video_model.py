@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from ..errors import FlowRLError
-from ..randomness import keeps_generators
 from ..resources import assets_dir
 from .moving import FRAMES, RESOLUTION
 
@@ -38,7 +37,6 @@ def build_moving_shapes_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
-@keeps_generators
 def build_tiny_moving_shapes_pipeline(seed: int = 0, patch_size: tuple[int, int, int] | None = None):
     """The embedded video model's architecture, randomly initialised: a pixel-space (no VAE) Wan 2.1 transformer
     and a tiny UMT5 encoder with the domain tokenizer; flow-matching scheduler with shift 1."""
