@@ -161,6 +161,16 @@ def _cond(model: BenchModel, n: int, tiny: bool) -> PromptEmbeds:
     return PromptEmbeds(embeds, pooled)
 
 
+# Measured on one H100 80GB with `flowrl bench-gpu` (docs/benchmarks.md, "GPU: every family on one H100"): MFU of
+# the LoRA update without and with gradient checkpointing, and of a flat rollout (its NFE x the forward's counted
+# FLOPs over its seconds), against 989 TFLOP/s. `flowrl gpu-check --plan` predicts each stage's time from them (a
+# family not measured there takes the median of the measured ones)
+MEASURED_H100_MFU = {  # family: (update, update with checkpointing, rollout)
+    ("sd35m", 512): (0.135, 0.070, 0.20), ("sd35m", 1024): (0.229, 0.164, 0.24), ("flux1", 512): (0.296, 0.205, 0.33),
+    ("flux2k", 512): (0.299, 0.210, 0.33), ("qwen", 512): (0.230, 0.137, 0.29), ("wan13", 256): (0.143, 0.074, 0.26)}
+# the family and size with the largest forward of the benchmark's image families (FLUX.1-dev at 512 px, 21.5 TFLOP a
+# row): the plan's stand-in for a forward the meta device cannot count
+LARGEST_FORWARD = ("flux1", 512)
 UPDATE_REPEATS = 2  # timed update steps after the warm-up (flowrl gpu-check --plan predicts a stage's time by it)
 
 

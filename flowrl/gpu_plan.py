@@ -8,13 +8,6 @@ from __future__ import annotations
 
 import json
 
-
-# Measured on one H100 80GB with `flowrl bench-gpu` (docs/benchmarks.md, "GPU: every family on one H100"): MFU of
-# the LoRA update without and with gradient checkpointing, and of a flat rollout (its NFE x the forward's counted
-# FLOPs over its seconds), against 989 TFLOP/s. A family not measured there takes the median of the measured ones.
-MEASURED_MFU = {  # family: (update, update with checkpointing, rollout)
-    ("sd35m", 512): (0.135, 0.070, 0.20), ("sd35m", 1024): (0.229, 0.164, 0.24), ("flux1", 512): (0.296, 0.205, 0.33),
-    ("flux2k", 512): (0.299, 0.210, 0.33), ("qwen", 512): (0.230, 0.137, 0.29), ("wan13", 256): (0.143, 0.074, 0.26)}
 H100_PEAK_TFLOPS = 989.0
 STARTUP_S = 15.0  # a stage's process start-up and imports, measured on the earlier H100 run
 UPDATE_OVER_FORWARD = 2.0  # a LoRA update step's FLOPs per edge over one forward (1.9-2.1 measured)
@@ -132,16 +125,16 @@ def predicted_stage_seconds(name: str, cases: list[dict]) -> float:
     from .gpu_check import BENCH
 
     family, sizes = BENCH[name]
-    measured = list(MEASURED_MFU.values())
+    measured = list(gpu_bench.MEASURED_H100_MFU.values())
     median = tuple(statistics.median(m[i] for m in measured) for i in range(3))
     peak = H100_PEAK_TFLOPS
     seconds = STARTUP_S
     for px, (steps, chains) in sizes.items():
         try:
             forward = forward_tflop_per_row(family, px)
-        except RuntimeError:  # a forward the meta device cannot run (a .item() inside): FLUX.1-dev's, the largest
-            forward = forward_tflop_per_row("flux1", 512)  # of the image families, so the prediction errs long
-        update_mfu, checkpointed_mfu, rollout_mfu = MEASURED_MFU.get((family, px), median)
+        except RuntimeError:  # a forward the meta device cannot run (a .item() inside): the largest image
+            forward = forward_tflop_per_row(*gpu_bench.LARGEST_FORWARD)  # family's, so the prediction errs long
+        update_mfu, checkpointed_mfu, rollout_mfu = gpu_bench.MEASURED_H100_MFU.get((family, px), median)
         for case in cases:
             if case["px"] != px:
                 continue
