@@ -32,6 +32,7 @@ def plan_check(card: str = "H100 80GB", tiny: bool = False, stages: list[str] | 
 
     def most(case: str) -> int:
         return most_batch[case] if isinstance(most_batch, dict) else most_batch
+
     # how many edges the FLOP-counting step holds at a timed batch: the bench's own rule, or (code that does not
     # state it) the timed batch itself without checkpointing, the conservative reading
     counted_edges = getattr(gpu_bench, "flop_count_edges", lambda batch: batch)
@@ -52,6 +53,13 @@ def plan_check(card: str = "H100 80GB", tiny: bool = False, stages: list[str] | 
         if tiny:
             sizes = {32: (4, 4)}
         for px, (steps, chains) in sizes.items():
+            # the FLOPs are counted without checkpointing, on as many edges as the bench's rule says (one probe of
+            # the plain step's memory serves both cases)
+            try:
+                plain = auto_batch(family, px, cpu, False, most("update"), capacity)[1]
+            except ConfigError as exc:  # not even one edge fits the card
+                problems.append(f"{name}: update at {px} px: {exc}")
+                continue
             for case in ("update", "update checkpointing"):
                 ckpt = UPDATE_CASES[case][1]
                 try:
@@ -60,8 +68,6 @@ def plan_check(card: str = "H100 80GB", tiny: bool = False, stages: list[str] | 
                     problems.append(f"{name}: {case} at {px} px: {exc}")
                     continue
                 timed = why["state_gib"] + batch * why["activations_per_input_gib"]
-                # the FLOPs are counted without checkpointing, on as many edges as the bench's rule says
-                plain = auto_batch(family, px, cpu, False, most("update"), capacity)[1]
                 counting = plain["state_gib"] + counted_edges(batch) * plain["activations_per_input_gib"]
                 peak = max(timed, counting)
                 row = {"stage": name, "family": family, "px": px, "case": case, "batch": batch,
