@@ -165,7 +165,9 @@ class SamplerConfig(Section):
     num_steps: int = opt(10, "denoising steps of the rollout", lo=1)
     schedule: str = opt("diffusers", "sigma grid", choices=["diffusers", "static_shift", "dynamic_shift"])
     shift: float = opt(3.0, "shift for static_shift", lo=0.0, lo_open=True)
-    kernel: str = opt("flow_grpo", "SDE step kernel", choices=["flow_grpo", "dance", "cps"])
+    kernel: str = opt("flow_grpo", "SDE step kernel: flow_grpo (g = a sqrt(sigma / (1 - sigma))), dance (g = eta), "
+                      "cps (coefficients-preserving), flash (g = a sigma_1 sigma, Flash-GRPO's)",
+                      choices=["flow_grpo", "dance", "cps", "flash"])
     noise_level: float = opt(0.7, "a for flow_grpo/cps, eta for dance (published settings lie in 0.3..1)", lo=0.0,
                              hi=2.0)
     guidance_scale: float = opt(1.0, "CFG scale in rollout and training (1 = off)", lo=0.0)

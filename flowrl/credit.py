@@ -96,14 +96,15 @@ def run_continuations(stepper: Stepper, starts: torch.Tensor, rows: torch.Tensor
     return x, evaluations
 
 
-def node_program(plan, index: int, lineage: int, side_stride: int, noise_level: float) -> list[Step]:
-    """What follows a node under the rollout's plan: the main line's steps from its index (each step's own noise
-    level, else ``noise_level``); a node on a side branch: deterministic completion in strides of ``side_stride``."""
+def node_program(plan, index: int, lineage: int, side_stride: int, noise_level: float, row: int = 0) -> list[Step]:
+    """What follows a node under the rollout's plan (prompt row ``row``'s steps where the plan has per-prompt ones):
+    the main line's steps from its index (each step's own noise level, else ``noise_level``); a node on a side
+    branch: deterministic completion in strides of ``side_stride``."""
     t = plan.num_steps
     if lineage < 0:
-        return [(i, i + 1, bool(plan.steps[i].sde),
-                 float(noise_level if plan.steps[i].noise_level is None else plan.steps[i].noise_level)
-                 if plan.steps[i].sde else 0.0) for i in range(index, t)]
+        specs = [plan.spec(i, row) for i in range(index, t)]
+        return [(i, i + 1, bool(sp.sde), float(noise_level if sp.noise_level is None else sp.noise_level)
+                 if sp.sde else 0.0) for i, sp in zip(range(index, t), specs)]
     out, i = [], index
     while i < t:
         nxt = min(i + max(side_stride, 1), t)
@@ -130,7 +131,7 @@ def true_advantages(tree, transitions: list[Transition], stepper: Stepper,
 
     def program(r: int, n: int) -> list[Step]:
         lin = int(tree.lineage[r][n])
-        return node_program(plan, int(tree.index[r][n]), lin, _stride(plan, lin), noise_level)
+        return node_program(plan, int(tree.index[r][n]), lin, _stride(plan, lin), noise_level, int(tree.group[r][n]))
 
     def via_edge(r: int, n: int, cr: int, c: int) -> list[Step]:
         """The parent's value through the edge's own kind of action (a side jump spans several indices at its own

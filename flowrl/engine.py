@@ -280,9 +280,11 @@ class _RoundWork:
     # stride) as Python lists, in the order branch children, side jumps, completions
 
 
-def plan_rounds(plan: RolloutPlan, roots: list[int], noise_level: float) -> tuple[dict, list[_RoundWork]]:
+def plan_rounds(plan: RolloutPlan, roots: list[int], noise_level: float,
+                row_offset: int = 0) -> tuple[dict, list[_RoundWork]]:
     """The rollout's topology, round by round, in plain Python (no tensor operation): round 0's fields and one
-    :class:`_RoundWork` per round that evaluates at least one node."""
+    :class:`_RoundWork` per round that evaluates at least one node (``row_offset``: the first prompt's row in the
+    whole batch, which picks its per-prompt steps)."""
     t_steps = plan.num_steps
     n0 = sum(roots)
     cur = {"index": [0] * n0, "group": [g for g, k in enumerate(roots) for _ in range(k)], "root": list(range(n0)),
@@ -310,7 +312,11 @@ def plan_rounds(plan: RolloutPlan, roots: list[int], noise_level: float) -> tupl
             spec = plan.steps[i]
             level = noise_level if spec.noise_level is None else spec.noise_level
             branch = [k for k in main for _ in range(spec.branch)]
-            add(branch, i + 1, -1, level, spec.sde, spec.trained, 0)
+            if plan.prompt_steps:  # each prompt's own step: SDE or ODE, trained or not
+                own = [plan.spec(i, cur["group"][k] + row_offset) for k in branch]
+                add(branch, i + 1, -1, level, [o.sde for o in own], [o.trained for o in own], 0)
+            else:
+                add(branch, i + 1, -1, level, spec.sde, spec.trained, 0)
             side = [k for k in main for _ in range(spec.side)]
             add(side, i + spec.side_merge, i, level, True, True, 0)
         # side branches are completed deterministically, `stride` indices per ODE step: chains already under way
@@ -367,6 +373,26 @@ class _DeviceIndex:
         return self.data[a:b]
 
 
+def _mixed_step(work: _RoundWork, xp: torch.Tensor, vp: torch.Tensor, spec, generator: torch.Generator, device,
+                sde_step, step_args) -> tuple:
+    """One round's main-line children when prompts differ in whether the step is SDE (per-prompt steps): the SDE
+    children (siblings stay consecutive, since a prompt's parents share the flag) take the kernel's step with noise
+    drawn for them alone, the rest an Euler step; (N, *latent) samples and means, (N,) log-probs (0 on ODE) and
+    stds, in the children's order."""
+    s, s_next, level = step_args
+    flags = torch.tensor(work.children["sde"][: len(work.branch)])
+    on, off = (to_device(torch.nonzero(m).flatten(), device) for m in (flags, ~flags))
+    noise = sibling_noise((int(flags.sum()), *xp.shape[1:]), spec.branch, spec.sibling_noise, spec.sibling_strength,
+                          generator)
+    xs_on, lp_on, sd_on, mean_on = sde_step(xp[on], vp[on], s, s_next, level, to_device(noise, device))
+    xs_off = kernel_step("ode", xp[off], vp[off], s, s_next, noise_level=0.0).sample
+    xs, mean = xs_on.new_empty(xp.shape), xs_on.new_empty(xp.shape)
+    xs[on], xs[off], mean[on], mean[off] = xs_on, xs_off, mean_on, xs_off
+    lp, sd = lp_on.new_zeros(xp.shape[0]), sd_on.new_zeros(xp.shape[0])
+    lp[on], sd[on] = lp_on, sd_on
+    return xs, lp, sd, mean
+
+
 def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape: tuple[int, ...],
                    *, kernel: str, noise_level: float, generator: torch.Generator, log_prob_reduce: str = "mean",
                    initial_noise: torch.Tensor | None = None, roots: list[int] | None = None,
@@ -392,7 +418,7 @@ def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Te
     grid = sigmas.tolist()  # the host's copy of the (T + 1,) grid, read once
     sigma_at_one = grid[1]
     roots = roots or [plan.roots_per_prompt] * num_prompts
-    first, works = plan_rounds(plan, roots, noise_level)
+    first, works = plan_rounds(plan, roots, noise_level, row_offset)
     n0 = sum(roots)
     if initial_noise is None:
         initial_noise = _randn((n0, *latent_shape), generator)
@@ -443,10 +469,17 @@ def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Te
             spec = plan.steps[i]
             s, s_next = grid[i], grid[i + 1]
             level = noise_level if spec.noise_level is None else spec.noise_level
-        if work.branch:
+        mixed = (bool(work.branch) and plan.prompt_steps is not None
+                 and len(set(work.children["sde"][: len(work.branch)])) > 1)
+        if mixed:  # per-prompt steps: this round's SDE children and ODE children, each kind in one call
+            xs, lp, sd, mean = _mixed_step(work, x[branch_d], v_live[branch_v], spec, generator, device, sde_step,
+                                           (s, s_next, level))
+            latents.append(xs), log_probs.append(lp), stds.append(sd), means.append(mean)
+        elif work.branch:
             xp, vp = x[branch_d], v_live[branch_v]
             n = len(work.branch)
-            if spec.sde:
+            sde_here = spec.sde if plan.prompt_steps is None else work.children["sde"][0]
+            if sde_here:
                 noise = sibling_noise(tuple(xp.shape), spec.branch, spec.sibling_noise, spec.sibling_strength, generator)
                 xs, lp, sd, mean = sde_step(xp, vp, s, s_next, level, to_device(noise, device))
                 if spec.guided and plan.guidance is not None:  # the sample moves; its log-prob is the unguided one's

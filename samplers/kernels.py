@@ -176,6 +176,38 @@ def flow_grpo_sde_step(
     return _finish(mean, std, noise, prev_sample, reduce)
 
 
+def flash_sde_step(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    sigma,
+    sigma_next,
+    noise_level: float = 1.0,
+    sigma_at_one=None,
+    noise: torch.Tensor | None = None,
+    prev_sample: torch.Tensor | None = None,
+    reduce: str = "mean",
+    lowpass: int = 0,
+    lowpass_skip_dc: bool = False,
+) -> StepOutput:
+    """Flash-GRPO's SDE step (arXiv 2605.15980): Flow-GRPO's drift and transition std with the diffusion coefficient
+    linear in sigma, sigma_t = a * sigma_1 * sigma (the released code's sigma_min + (sigma_max - sigma_min) sigma with
+    sigma_max = sigma_1, the grid's second value, and sigma_min = 0, the last; a = the noise level, 1 there):
+
+    mean = x (1 + sigma_t^2 dt / (2 sigma)) + v (1 + sigma_t^2 (1 - sigma) / (2 sigma)) dt,  std = sigma_t sqrt(-dt).
+    ``sigma_at_one`` carries sigma_1 (the engine and the update pass the grid's second value)."""
+    if sigma_at_one is None:
+        raise ValueError("the flash kernel needs sigma_at_one (the grid's second sigma)")
+    x, v = x.float(), v.float()
+    s = _as_batch(sigma, x)
+    dt = _as_batch(sigma_next, x) - s
+    std_dev = noise_level * torch.as_tensor(sigma_at_one, dtype=s.dtype, device=s.device) * s
+    mean = x * (1 + std_dev**2 / (2 * s) * dt) + v * (1 + std_dev**2 * (1 - s) / (2 * s)) * dt
+    std = std_dev * torch.sqrt(-dt)
+    if lowpass:
+        return _finish_lowpass(x + dt * v, mean, std, noise, prev_sample, reduce, lowpass, lowpass_skip_dc)
+    return _finish(mean, std, noise, prev_sample, reduce)
+
+
 def dance_sde_step(
     x: torch.Tensor,
     v: torch.Tensor,
@@ -238,13 +270,14 @@ def cps_step(
     return out
 
 
-KERNELS = {"ode": ode_step, "flow_grpo": flow_grpo_sde_step, "dance": dance_sde_step, "cps": cps_step}
+KERNELS = {"ode": ode_step, "flow_grpo": flow_grpo_sde_step, "dance": dance_sde_step, "cps": cps_step,
+           "flash": flash_sde_step}
 
 
 def step(kind: str, x, v, sigma, sigma_next, *, noise_level: float, sigma_at_one=None, noise=None,
          prev_sample=None, reduce: str = "mean", published_log_prob: bool = False, lowpass: int = 0,
          lowpass_skip_dc: bool = False) -> StepOutput:
-    """Dispatch one transition by kernel name; ``noise_level`` is a for flow_grpo/cps and eta for dance;
+    """Dispatch one transition by kernel name; ``noise_level`` is a for flow_grpo/cps/flash and eta for dance;
     ``lowpass`` (flow_grpo, dance) restricts the noise to that many lowest spatial frequencies per axis
     (``lowpass_skip_dc``: less the constant term)."""
     if kind == "ode":
@@ -252,6 +285,9 @@ def step(kind: str, x, v, sigma, sigma_next, *, noise_level: float, sigma_at_one
     if kind == "flow_grpo":
         return flow_grpo_sde_step(x, v, sigma, sigma_next, noise_level, sigma_at_one, noise, prev_sample, reduce,
                                   lowpass, lowpass_skip_dc)
+    if kind == "flash":
+        return flash_sde_step(x, v, sigma, sigma_next, noise_level, sigma_at_one, noise, prev_sample, reduce, lowpass,
+                              lowpass_skip_dc)
     if kind == "dance":
         return dance_sde_step(x, v, sigma, sigma_next, noise_level, noise, prev_sample, reduce, lowpass,
                               lowpass_skip_dc)

@@ -45,6 +45,12 @@ class StepSpec:
     guided: bool = False
 
 
+def _shape(s: StepSpec) -> tuple:
+    """What a per-prompt variant of a step must keep: everything but ``sde`` and ``trained``."""
+    return (s.branch, s.noise_level, s.side, s.side_merge, tuple(s.side_granularities), s.sibling_noise,
+            s.sibling_strength)
+
+
 @dataclass
 class RolloutPlan:
     steps: list[StepSpec]
@@ -53,12 +59,34 @@ class RolloutPlan:
     # guided steps call guidance(x, v, sigma, sigma_next, rows) -> (shift of the sample (N, *latent), process
     # reward (N,)), with x, v (N, *latent) the parents and their velocities and rows their prompt rows
     guidance: Callable | None = None
+    # per-prompt step specs (a step drawn per prompt, Flash-GRPO's): prompt row g follows
+    # prompt_steps[g % len(prompt_steps)] instead of ``steps``. The variants share ``steps``' shape (branch, side
+    # branches, noise, guidance at every index), so every prompt's nodes go through the same rounds; they differ only
+    # in which steps are SDE and which are trained
+    prompt_steps: list[list[StepSpec]] | None = None
 
     def __post_init__(self):
         if self.roots_per_prompt < 1:
             raise ValueError("roots_per_prompt must be >= 1")
-        t = len(self.steps)
-        for i, s in enumerate(self.steps):
+        self._check_steps(self.steps)
+        for v, variant in enumerate(self.prompt_steps or []):
+            if len(variant) != len(self.steps):
+                raise ValueError(f"prompt_steps[{v}]: {len(variant)} steps, the plan has {len(self.steps)}")
+            self._check_steps(variant)
+            for i, (a, b) in enumerate(zip(variant, self.steps)):
+                if _shape(a) != _shape(b) or a.guided or b.guided:
+                    raise ValueError(f"prompt_steps[{v}] step {i}: a prompt's steps may differ from the plan's only "
+                                     "in sde and trained (and take no guidance)")
+
+    def spec(self, index: int, row: int = 0) -> StepSpec:
+        """The step spec at grid ``index`` for prompt row ``row``."""
+        if self.prompt_steps:
+            return self.prompt_steps[row % len(self.prompt_steps)][index]
+        return self.steps[index]
+
+    def _check_steps(self, steps: list[StepSpec]) -> None:
+        t = len(steps)
+        for i, s in enumerate(steps):
             if s.branch < 0 or s.side < 0:
                 raise ValueError(f"step {i}: branch and side must be >= 0")
             if s.branch == 0 and s.side == 0:

@@ -62,6 +62,7 @@ ALGORITHMS = {
     "ac_flow": ["algorithm.group_size=2", "algorithm.timesteps_per_sample=1", "algorithm.critic_warmup=0"],
     "tree_grpo": ["algorithm.branch_factor=2", "algorithm.depth=2"],
     "diverse_grpo": ["train.kl_beta=0.5"],
+    "flash_grpo": ["algorithm.group_size=2"],
 }
 DIFFERENTIABLE = {f: "tests.helpers:brightness" for f in FAMILIES}
 DIFFERENTIABLE["wan"] = DIFFERENTIABLE["hunyuanvideo15"] = DIFFERENTIABLE["ltx2"] = "tests.helpers:video_brightness"
