@@ -22,10 +22,10 @@ demo: $(STAMP)
 demo-video: $(STAMP)
 	$(VENV)/bin/flowrl train configs/tiny_video_default.yaml
 
-# the quick suite (under 6 minutes on two cores); test-heavy the end-to-end, sharded, subprocess and site tests;
-# test-all both in one run (what CI runs)
+# the quick suite, one pytest-xdist worker per core (each with its share of the torch threads); test-heavy the
+# end-to-end, sharded, subprocess and site tests, in one process; test-all both in one run
 test: $(STAMP)
-	$(PY) -m pytest -q -m 'not slow and not gpu and not heavy'
+	$(PY) -m pytest -q -n auto -m 'not slow and not gpu and not heavy'
 
 test-heavy: $(STAMP)
 	$(PY) -m pytest -q -m 'heavy and not slow and not gpu'

@@ -161,6 +161,21 @@ def _known_family(value: str) -> str:
     return value
 
 
+class PoolConfig(Section):
+    size: int = opt(0, "candidates per prompt scored by a cheap ODE rollout before the real one, whose initial noises "
+                    "are chosen among them (Sol-RL's exploration pool; 0: off); at least the plan's roots per prompt",
+                    lo=0)
+    select: str = opt("best_worst", "which candidates the real rollout regenerates: best_worst (half from the top and "
+                      "half from the bottom of the cheap rewards, Sol-RL's), best, or random (a control)",
+                      choices=["best_worst", "best", "random"])
+    num_steps: int = opt(6, "ODE steps of the cheap rollout (Sol-RL: 6, the real rollout 10)", lo=1)
+    precision: str = opt("bf16", "the cheap rollout's arithmetic: bf16 (autocast on the device; Sol-RL explores in "
+                         "NVFP4 on Blackwell GPUs) or fp32 (the model's own dtype, fewer steps only)",
+                         choices=["bf16", "fp32"])
+    guidance_scale: Optional[float] = opt(None, "CFG of the cheap rollout (null: the sampler's; Sol-RL: 1, off)",
+                                          lo=0.0)
+
+
 class SamplerConfig(Section):
     num_steps: int = opt(10, "denoising steps of the rollout", lo=1)
     schedule: str = opt("diffusers", "sigma grid", choices=["diffusers", "static_shift", "dynamic_shift"])
@@ -192,6 +207,7 @@ class SamplerConfig(Section):
     cps_log_prob: str = opt("gaussian", "cps kernel: the true Gaussian log-prob, or the paper's and Flow-GRPO's "
                             "unnormalised -(x' - mean)^2 (published CPS clip ranges assume it)",
                             choices=["gaussian", "published"])
+    pool: PoolConfig = Field(default_factory=PoolConfig)
 
 
 class AlgorithmOptions(Section):

@@ -562,7 +562,7 @@ def rollout(adapter, cond, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape
 def packed_rollouts(adapter, cond, batches: list[tuple[int, int, torch.Generator]], plan: RolloutPlan,
                     sigmas: torch.Tensor, latent_shape: tuple[int, ...], *, stagger: int, max_batch: int = 64,
                     guidance_scale: float = 1.0, negative=None, on_done=None, roots: list[int] | None = None,
-                    **options) -> list[Tree]:
+                    initial_noise: torch.Tensor | None = None, **options) -> list[Tree]:
     """Several prompt batches' rollouts through shared transformer calls: batch j = prompt rows [a_j, b_j) of
     ``cond`` with its own generator starts ``stagger`` rounds after batch j - 1, so its narrow first rounds fill
     the calls of the batches ahead of it at their wide rounds. Each batch's tree equals its own :func:`rollout`
@@ -570,9 +570,19 @@ def packed_rollouts(adapter, cond, batches: list[tuple[int, int, torch.Generator
 
     ``on_done(j, tree)`` is called as soon as batch j's tree is complete (e.g. to start scoring it). Returns the
     trees in batch order; ``transformer_calls`` is shared, so each tree carries the calls of the rounds it took
-    part in, divided among the batches in them by their node counts (the total is the true call count)."""
+    part in, divided among the batches in them by their node counts (the total is the true call count).
+    ``initial_noise`` (all prompt rows' roots, *latent), prompt-major, replaces each batch's root draw with its rows'
+    slice."""
+    first_root = [0]  # the first root of each prompt row in ``initial_noise``
+    for k in roots or [plan.roots_per_prompt] * max((b for _, b, _ in batches), default=0):
+        first_root.append(first_root[-1] + k)
+
+    def noise_of(a: int, b: int) -> torch.Tensor | None:
+        return None if initial_noise is None else initial_noise[first_root[a]: first_root[b]]
+
     gens = [rollout_rounds(b - a, adapter.device, plan, sigmas, latent_shape, generator=g,
-                           roots=roots[a:b] if roots else None, row_offset=a, **options) for a, b, g in batches]
+                           roots=roots[a:b] if roots else None, row_offset=a, initial_noise=noise_of(a, b), **options)
+            for a, b, g in batches]
     trees: list[Tree | None] = [None] * len(batches)
     share = [0.0] * len(batches)
     pending: dict[int, tuple] = {}

@@ -81,8 +81,10 @@ class RolloutRunner:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-reward")
         return self._pool
 
-    def __call__(self, cond, plan, gen: torch.Generator, prompts: list[str], metadata: list, roots=None):
-        """Roll out ``plan`` for every prompt (rows of ``cond``) and score the leaves.
+    def __call__(self, cond, plan, gen: torch.Generator, prompts: list[str], metadata: list, roots=None,
+                 initial_noise: torch.Tensor | None = None):
+        """Roll out ``plan`` for every prompt (rows of ``cond``) and score the leaves; ``initial_noise`` (every
+        prompt's roots, *latent) replaces the roots' draw (a candidate pool's choice).
 
         Returns (tree, scores, timing): seconds_rollout (rollout + decode), seconds_reward (scorer time, summed
         over batches), seconds_reward_wait (time spent waiting for scores after the last rollout) and
@@ -127,7 +129,8 @@ class RolloutRunner:
         if self.ledger is not None:
             self.ledger.arm()
         packed_rollouts(self.adapter, cond, [(bounds[j], bounds[j + 1], gens[j]) for j in mine], plan, self.sigmas,
-                        self.latent_shape, stagger=stagger, roots=roots, on_done=lambda i, part: done(mine[i], part),
+                        self.latent_shape, stagger=stagger, roots=roots, initial_noise=initial_noise,
+                        on_done=lambda i, part: done(mine[i], part),
                         kernel=o.kernel, noise_level=o.noise_level, max_batch=o.max_batch,
                         guidance_scale=o.guidance_scale, negative=self.negative, log_prob_reduce=o.log_prob_reduce,
                         kernel_options=o.kernel_options, store_mean=o.store_mean)

@@ -20,6 +20,7 @@ from . import report
 from .algorithms import AlgorithmContext, make_algorithm
 from .attention import attention_kernels
 from .callbacks import built_in_callbacks
+from .candidate_pool import CandidatePool, check_pool
 from .checkpoint import load_run_state, reference_checkpoints, resume_checkpoint, resume_start, save_run_checkpoint
 from .config import Config, iteration_seed
 from .distributed import Processes, ShardedSampler
@@ -36,7 +37,7 @@ from .registry import EVALUATORS
 from .rewards import build_reward_set
 from .rollout_runner import RolloutOptions, RolloutRunner
 from .rundir import RunFolder
-from .sampling import Sampler, check_noise_lowpass, kernel_options, peak_memory_mb, resolve_device
+from .sampling import Sampler, check_noise_lowpass, kernel_options, peak_memory_mb, resolve_device, sigmas_for
 from .sharding import check_context, check_options, launch_config
 from .stop_signal import SigtermNoted
 from .throughput import FlopMeter, WorkCounts, device_peak_tflops, rates
@@ -119,6 +120,13 @@ class Trainer:
         self.runner = RolloutRunner(self.adapter, self.rewards, self.procs,
                                     RolloutOptions.from_config(cfg, options, self.objective.needs_sampling_mean),
                                     self.sigmas, self.latent_shape, self.negative)
+        self.pool = None
+        if cfg.sampler.pool.size:  # refused in one line, before the run folder, where the plan cannot use it
+            first = self.start_iteration
+            check_pool(cfg, self.algorithm.plan(first, random.Random(iteration_seed(cfg.train.seed, first)),
+                                                self.sigmas), None, self.procs.distributed)
+            self.pool = CandidatePool(cfg, self.adapter, sigmas_for(cfg, self.adapter, cfg.sampler.pool.num_steps),
+                                      self.latent_shape, self.rewards, self.negative)
         # model FLOPs per phase, each input shape counted once (flowrl/throughput.py): every transformer that runs
         self.meter = FlopMeter([self.adapter.transformer, *self.adapter.extra_transformers(),
                                 self.policy.frozen])
@@ -226,8 +234,17 @@ class Trainer:
         cond = self.adapter.encode_prompts(prompts)
         # the old policy samples, where one is kept and the algorithm samples with it at this iteration
         with self.policy.old_weights(algo.samples_with_old_policy(it)), self.meter.phase("rollout"):
-            tree, scores, timing = self.runner(cond, plan, gen, prompts, metadata, roots)
+            noise = None
+            if self.pool is not None:  # the cheap pass chooses the initial noises (its evaluations count as rollout)
+                check_pool(cfg, plan, roots, self.procs.distributed)
+                noise, pool_stats = self.pool(cond, gen, prompts, metadata,
+                                              roots or [plan.roots_per_prompt] * len(prompts))
+                row.update(pool_stats)
+            tree, scores, timing = self.runner(cond, plan, gen, prompts, metadata, roots, initial_noise=noise)
         row.update(timing)
+        if self.pool is not None:
+            row.update(self.pool.agreement(tree, scores.total))
+            row["pool/seconds_share"] = row["pool/seconds"] / (row["pool/seconds"] + timing["seconds_rollout"])
         t2 = time.perf_counter()
         if not torch.isfinite(scores.total).any():
             raise FlowRLError(f"iteration {it}: every reward was NaN/inf; check the reward function")
