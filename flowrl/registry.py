@@ -110,7 +110,7 @@ ALGORITHMS = Registry("algorithm.name", {
         ("awm", "AWM"), ("sft", "SFT"), ("online_dpo", "OnlineDPO"),
         ("dgpo", "DGPO"), ("gardo", "GARDO"), ("refl", "ReFL"), ("on_policy_distillation", "OnPolicyDistillation"),
         ("euphonium", "Euphonium"), ("ac_flow", "ACFlow"), ("tree_grpo", "TreeGRPO"),
-        ("diverse_grpo", "DiverseGRPO"), ("flash_grpo", "FlashGRPO"),
+        ("diverse_grpo", "DiverseGRPO"), ("flash_grpo", "FlashGRPO"), ("sol_rl", "SolRL"),
     ]
 }, group="flowrl_algorithms", kind=(lambda o: inspect.isclass(o) and hasattr(o, "Options") and hasattr(o, "plan"),
                                    "an algorithm class (a subclass of flowrl.algorithms.Algorithm)"))

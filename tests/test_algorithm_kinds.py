@@ -62,10 +62,11 @@ def test_no_algorithm_subclasses_another_except_as_a_documented_variant():
         assert vars(cls).get("variant_of") is cls.__bases__[0] is concrete_parents[0], (
             f"{name} subclasses {concrete_parents[0].__name__} without declaring variant_of")
         assert cls.__doc__ and "variant" in cls.__doc__, f"{name}: a variant says so in its docstring"
-    assert variants == 6  # Flow-GRPO-Fast, MixGRPO, Customized-GRPO, Euphonium, SFT, DiverseGRPO
+    assert variants == 7  # Flow-GRPO-Fast, MixGRPO, Customized-GRPO, Euphonium, SFT, DiverseGRPO, Sol-RL
     kinds = {c: [n for c2, n in classes.items() if issubclass(c2, c)] for c in (TransitionAlgorithm,
                                                                                  ForwardProcessAlgorithm)}
-    assert set(kinds[ForwardProcessAlgorithm]) == {"diffusion_nft", "awm", "dgpo", "sft", "online_dpo", "ac_flow"}
+    assert set(kinds[ForwardProcessAlgorithm]) == {"diffusion_nft", "sol_rl", "awm", "dgpo", "sft", "online_dpo",
+                                                   "ac_flow"}
     assert not set(kinds[TransitionAlgorithm]) & set(kinds[ForwardProcessAlgorithm])
     assert len(kinds[TransitionAlgorithm]) + len(kinds[ForwardProcessAlgorithm]) + 1 == len(classes)  # + refl
 

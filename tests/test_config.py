@@ -228,7 +228,7 @@ def test_config_explain_prints_type_default_range_and_description(capsys):
     assert main(["config", "explain", "sampler.kernel"]) == 0
     assert "  choices: flow_grpo, dance, cps" in capsys.readouterr().out
     assert main(["config", "explain", "algorithm.beta"]) == 0
-    assert capsys.readouterr().out.startswith("algorithm.beta (an option of diffusion_nft)\n  type: float\n  default: 1.0")
+    assert capsys.readouterr().out.startswith("algorithm.beta (an option of diffusion_nft, sol_rl)\n  type: float\n  default: 1.0")
     assert main(["config", "explain", "train.kl_bta"]) == 2
     assert capsys.readouterr().err.strip() == "flowrl: error: unknown config key 'train.kl_bta'; did you mean 'train.kl_beta'?"
 

@@ -63,12 +63,15 @@ ALGORITHMS = {
     "tree_grpo": ["algorithm.branch_factor=2", "algorithm.depth=2"],
     "diverse_grpo": ["train.kl_beta=0.5"],
     "flash_grpo": ["algorithm.group_size=2"],
+    "sol_rl": ["algorithm.group_size=2", "algorithm.timesteps_per_sample=1", "sampler.pool.size=4",
+               "sampler.pool.num_steps=2"],
 }
 DIFFERENTIABLE = {f: "tests.helpers:brightness" for f in FAMILIES}
 DIFFERENTIABLE["wan"] = DIFFERENTIABLE["hunyuanvideo15"] = DIFFERENTIABLE["ltx2"] = "tests.helpers:video_brightness"
-NO_EDGES = ("diffusion_nft", "awm", "sft", "online_dpo", "dgpo", "refl", "ac_flow")  # re-noised samples or re-runs
+# re-noised samples or re-runs
+NO_EDGES = ("diffusion_nft", "sol_rl", "awm", "sft", "online_dpo", "dgpo", "refl", "ac_flow")
 # objectives without a policy ratio (the matching error, a preference, the reward's gradient): no ratio statistics
-NO_RATIO = ("diffusion_nft", "awm", "sft", "online_dpo", "refl", "ac_flow")
+NO_RATIO = ("diffusion_nft", "sol_rl", "awm", "sft", "online_dpo", "refl", "ac_flow")
 RATIO_STATISTICS = {"clipfrac", "approx_kl", "ratio_mean", "ratio_std", "ratio_max_abs_dev_first_update",
                     "mean_abs_log_ratio"}
 

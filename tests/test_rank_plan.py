@@ -78,6 +78,6 @@ def test_the_shipped_ranked_plan_is_found_from_any_folder(tmp_path, monkeypatch)
 
     monkeypatch.chdir(tmp_path)
     plan, runs = read_plan("configs/benchmarks/ranked.yaml")
-    assert plan["baseline"] == "flat" and len(plan["labels"]) == 28
-    assert {r.label for r in runs} == set(plan["labels"]) and len(runs) == 98
+    assert plan["baseline"] == "flat" and len(plan["labels"]) == 29
+    assert {r.label for r in runs} == set(plan["labels"]) and len(runs) == 101
     assert all(Path(r.config).is_file() and Path(r.config).parent == configs_dir() for r in runs)
