@@ -19,6 +19,7 @@ import dataclasses
 import math
 from collections.abc import Generator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -373,24 +374,156 @@ class _DeviceIndex:
         return self.data[a:b]
 
 
-def _mixed_step(work: _RoundWork, xp: torch.Tensor, vp: torch.Tensor, spec, generator: torch.Generator, device,
-                sde_step, step_args) -> tuple:
-    """One round's main-line children when prompts differ in whether the step is SDE (per-prompt steps): the SDE
-    children (siblings stay consecutive, since a prompt's parents share the flag) take the kernel's step with noise
-    drawn for them alone, the rest an Euler step; (N, *latent) samples and means, (N,) log-probs (0 on ODE) and
-    stds, in the children's order."""
-    s, s_next, level = step_args
-    flags = torch.tensor(work.children["sde"][: len(work.branch)])
-    on, off = (to_device(torch.nonzero(m).flatten(), device) for m in (flags, ~flags))
-    noise = sibling_noise((int(flags.sum()), *xp.shape[1:]), spec.branch, spec.sibling_noise, spec.sibling_strength,
-                          generator)
-    xs_on, lp_on, sd_on, mean_on = sde_step(xp[on], vp[on], s, s_next, level, to_device(noise, device))
-    xs_off = kernel_step("ode", xp[off], vp[off], s, s_next, noise_level=0.0).sample
-    xs, mean = xs_on.new_empty(xp.shape), xs_on.new_empty(xp.shape)
-    xs[on], xs[off], mean[on], mean[off] = xs_on, xs_off, mean_on, xs_off
-    lp, sd = lp_on.new_zeros(xp.shape[0]), sd_on.new_zeros(xp.shape[0])
-    lp[on], sd[on] = lp_on, sd_on
-    return xs, lp, sd, mean
+class _RoundIndex(NamedTuple):
+    """One round's device index tensors: the live nodes, their prompt rows and sigmas, and the parents of each kind of
+    child as positions in the round (their latents, ``*_at``) and among its live nodes (their velocities, ``*_v``)."""
+
+    live: torch.Tensor
+    rows: torch.Tensor
+    branch_at: torch.Tensor
+    branch_v: torch.Tensor
+    side_at: torch.Tensor
+    side_v: torch.Tensor
+    completion_at: torch.Tensor
+    completion_v: torch.Tensor
+    sigma_live: torch.Tensor
+    completion_from: torch.Tensor
+    completion_to: torch.Tensor
+
+
+def _round_indices(first: dict, works: list[_RoundWork], grid: list[float], device) -> list[_RoundIndex]:
+    """Every round's :class:`_RoundIndex`, copied to the device in one transfer per dtype."""
+    longs, floats = [], []
+    for r, work in enumerate(works):
+        here = first if r == 0 else works[r - 1].children
+        among_live = {k: n for n, k in enumerate(work.live)}
+        longs.append([work.live, [here["group"][k] for k in work.live], work.branch,
+                      [among_live[k] for k in work.branch], work.side, [among_live[k] for k in work.side],
+                      work.completion, [among_live[k] for k in work.completion]])
+        floats.append([[grid[here["index"][k]] for k in work.live], [grid[i] for i in work.completion_from],
+                       [grid[i] for i in work.completion_to]])
+    on_longs = _DeviceIndex([v for per in longs for v in per], torch.long, device)
+    on_floats = _DeviceIndex([v for per in floats for v in per], torch.float32, device)
+    return [_RoundIndex(*(on_longs[8 * r + k] for k in range(8)), *(on_floats[3 * r + k] for k in range(3)))
+            for r in range(len(works))]
+
+
+@dataclass
+class _Children:
+    """A round's new nodes of one kind, on the device: (N, *latent) samples and sampling means, (N,) log-probs and
+    stds of the edges into them (0 on ODE edges)."""
+
+    sample: torch.Tensor
+    log_prob: torch.Tensor
+    std: torch.Tensor
+    mean: torch.Tensor
+
+
+@dataclass
+class _Stepper:
+    """How one rollout steps its nodes: the kernel and its options, the noise source and the grid."""
+
+    plan: RolloutPlan
+    grid: list[float]
+    kernel: str
+    noise_level: float
+    generator: torch.Generator
+    device: torch.device
+    log_prob_reduce: str
+    kernel_options: dict
+    row_offset: int
+
+    def sde(self, x, v, s, s_next, level, noise) -> _Children:
+        out = kernel_step(self.kernel, x, v, s, s_next, noise_level=level, sigma_at_one=self.grid[1], noise=noise,
+                          reduce=self.log_prob_reduce, **self.kernel_options)
+        std = out.std.reshape(out.std.shape[0], -1)[:, 0].expand(x.shape[0]).float()
+        return _Children(out.sample, out.log_prob.float(), std, out.mean)  # copied once after the last round
+
+    def ode(self, x, v, s, s_next) -> _Children:
+        xs = kernel_step("ode", x, v, s, s_next, noise_level=0.0).sample
+        zeros = torch.zeros(x.shape[0], device=self.device)
+        return _Children(xs, zeros, zeros, xs)
+
+    def level(self, spec) -> float:
+        return self.noise_level if spec.noise_level is None else spec.noise_level
+
+    def main_children(self, work: _RoundWork, xp: torch.Tensor, vp: torch.Tensor):
+        """The main line's children of one round from their parents' latents and velocities (siblings consecutive):
+        SDE or ODE by the step spec (per child where prompts have their own steps), a guided SDE sample shifted by
+        the plan's guidance. Returns (children, the guidance's process rewards or None)."""
+        plan, i = self.plan, work.main_index
+        spec, s, s_next = plan.steps[i], self.grid[i], self.grid[i + 1]
+        level = self.level(spec)
+        n = len(work.branch)
+        flags = work.children["sde"][:n]
+        if plan.prompt_steps is not None and len(set(flags)) > 1:
+            return self._mixed(flags, xp, vp, spec, s, s_next, level), None
+        if not (spec.sde if plan.prompt_steps is None else flags[0]):
+            return self.ode(xp, vp, s, s_next), None
+        noise = sibling_noise(tuple(xp.shape), spec.branch, spec.sibling_noise, spec.sibling_strength, self.generator)
+        out = self.sde(xp, vp, s, s_next, level, to_device(noise, self.device))
+        if not (spec.guided and plan.guidance is not None):
+            return out, None
+        # the sample moves; its log-prob is the unguided transition's
+        rows = torch.tensor([work.children["group"][k] + self.row_offset for k in range(n)])
+        shift, process = plan.guidance(xp, vp, s, s_next, rows)
+        out.sample = out.sample + shift
+        out.log_prob = kernel_step(self.kernel, xp, vp, s, s_next, noise_level=level, sigma_at_one=self.grid[1],
+                                   prev_sample=out.sample, reduce=self.log_prob_reduce,
+                                   **self.kernel_options).log_prob.float()
+        return out, process
+
+    def _mixed(self, flags: list[bool], xp, vp, spec, s, s_next, level) -> _Children:
+        """Per-prompt steps where some prompts' step is SDE and others' ODE: the SDE children (siblings stay
+        consecutive, since a prompt's parents share the flag) take the kernel's step with noise drawn for them alone,
+        the rest an Euler step, each kind in one call; the results in the children's order."""
+        on_host = torch.tensor(flags)
+        on, off = (to_device(torch.nonzero(m).flatten(), self.device) for m in (on_host, ~on_host))
+        noise = sibling_noise((int(on_host.sum()), *xp.shape[1:]), spec.branch, spec.sibling_noise,
+                              spec.sibling_strength, self.generator)
+        sde = self.sde(xp[on], vp[on], s, s_next, level, to_device(noise, self.device))
+        ode = self.ode(xp[off], vp[off], s, s_next)
+        out = _Children(sde.sample.new_empty(xp.shape), sde.log_prob.new_zeros(xp.shape[0]),
+                        sde.std.new_zeros(xp.shape[0]), sde.sample.new_empty(xp.shape))
+        out.sample[on], out.sample[off], out.mean[on], out.mean[off] = sde.sample, ode.sample, sde.mean, ode.sample
+        out.log_prob[on], out.std[on] = sde.log_prob, sde.std
+        return out
+
+    def side_children(self, work: _RoundWork, xp: torch.Tensor, vp: torch.Tensor) -> _Children:
+        """One SDE jump per side child, from the main line's index to ``side_merge`` indices on."""
+        i = work.main_index
+        spec = self.plan.steps[i]
+        noise = to_device(_randn(tuple(xp.shape), self.generator), self.device)
+        return self.sde(xp, vp, self.grid[i], self.grid[i + spec.side_merge], self.level(spec), noise)
+
+    def completions(self, x: torch.Tensor, v: torch.Tensor, c_from: torch.Tensor, c_to: torch.Tensor) -> _Children:
+        """One deterministic completion step per side-branch node, each over its own (from, to) sigmas."""
+        return self.ode(x, v, c_from, c_to)
+
+
+def _record_calls(tree: Tree, r: int, work: _RoundWork, calls: list[int], slots: list[int]) -> None:
+    """The driver's word on which call evaluated each live node of round r, and its row there."""
+    n = tree.rounds[r].size
+    call, slot = [-1] * n, [-1] * n
+    for k, c, q in zip(work.live, calls, slots):
+        call[k], slot[k] = c, q
+    tree.rounds[r].call = torch.tensor(call, dtype=torch.long)
+    tree.rounds[r].slot = torch.tensor(slot, dtype=torch.long)
+
+
+def _edges_to_host(tree: Tree, process_rewards: list[torch.Tensor] | None, device) -> None:
+    """One device-to-host copy of every edge's log-prob and std (and process reward), not one per round."""
+    sizes = [rnd.size for rnd in tree.rounds]
+    none = [torch.zeros(sizes[0], device=device)]  # the roots have no edge into them
+    packed = torch.cat(none + [rnd.log_prob for rnd in tree.rounds[1:]] + none + [rnd.std for rnd in tree.rounds[1:]]
+                       + (none + process_rewards if process_rewards is not None else [])).cpu()
+    total = sum(sizes)
+    log_prob, std = packed[:total].split(sizes), packed[total: 2 * total].split(sizes)
+    for rnd, lp, sd in zip(tree.rounds, log_prob, std):
+        rnd.log_prob, rnd.std = lp, sd
+    if process_rewards is not None:  # round 0 (the roots) has no edge, so no process reward
+        for rnd, pr in zip(tree.rounds[1:], packed[2 * total + sizes[0]:].split(sizes[1:])):
+            rnd.process_reward = pr
 
 
 def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Tensor, latent_shape: tuple[int, ...],
@@ -404,128 +537,64 @@ def rollout_rounds(num_prompts: int, device, plan: RolloutPlan, sigmas: torch.Te
 
     Noise is drawn from ``generator`` (on the generator's device) at full round size, independent of how the
     velocities are batched, so the same seed gives the same tree whatever the batching. ``initial_noise``
-    (P * roots, C, H, W) overrides the root draw (used by tests and sample grids). ``roots`` gives each prompt its
-    own number of initial noises (SuperFlow's per-prompt group sizes) instead of ``plan.roots_per_prompt``. ``store_mean`` keeps each
-    edge's sampling mean in ``tree.mean`` (GRPO-Guard's ratio normalisation needs the old policy's mean).
-    ``row_offset`` is this batch's first prompt row in the whole batch (what ``plan.guidance`` is given).
+    (P * roots, C, H, W) overrides the root draw (used by tests, sample grids and the candidate pool). ``roots``
+    gives each prompt its own number of initial noises (SuperFlow's per-prompt group sizes) instead of
+    ``plan.roots_per_prompt``. ``store_mean`` keeps each edge's sampling mean in ``tree.mean`` (GRPO-Guard's ratio
+    normalisation needs the old policy's mean). ``row_offset`` is this batch's first prompt row in the whole batch
+    (what ``plan.guidance`` is given, and what picks a prompt's own steps).
 
-    The tree's shape comes from the plan alone (:func:`plan_rounds`), so the host never waits for the device
-    between rounds: the index lists reach the device in one copy, noise drawn on the host is copied asynchronously,
-    and the edges' log-probs and stds come back in one copy after the last round.
+    Each round: the live nodes' velocities are requested, then the main line's children, the side jumps and the
+    side branches' completion steps are made (:class:`_Stepper`), in that order within the round. The tree's shape
+    comes from the plan alone (:func:`plan_rounds`), so the host never waits for the device between rounds: the
+    index lists reach the device in one copy, noise drawn on the host is copied asynchronously, and the edges'
+    log-probs and stds come back in one copy after the last round.
     """
     device = torch.device(device)
     sigmas = sigmas.float().cpu()
     grid = sigmas.tolist()  # the host's copy of the (T + 1,) grid, read once
-    sigma_at_one = grid[1]
     roots = roots or [plan.roots_per_prompt] * num_prompts
     first, works = plan_rounds(plan, roots, noise_level, row_offset)
     n0 = sum(roots)
     if initial_noise is None:
         initial_noise = _randn((n0, *latent_shape), generator)
     x0 = to_device(initial_noise.float(), device)
-    fields = _round_fields(first)
     zeros = torch.zeros(n0)
-    tree = Tree(sigmas, [Round(x0, **{**fields, "log_prob": zeros, "std": zeros},
+    tree = Tree(sigmas, [Round(x0, **{**_round_fields(first), "log_prob": zeros, "std": zeros},
                                mean=x0 if store_mean else None)], plan)
-    # per round on the device: which nodes go through the transformer, their sigmas and prompt rows, and the
-    # parents of each kind of child as positions in the round (their latents) and among its live nodes (velocities)
-    longs, floats = [], []
-    for r, work in enumerate(works):
-        here = first if r == 0 else works[r - 1].children
-        among_live = {k: n for n, k in enumerate(work.live)}
-        longs += [work.live, [here["group"][k] for k in work.live], work.branch, [among_live[k] for k in work.branch],
-                  work.side, [among_live[k] for k in work.side], work.completion,
-                  [among_live[k] for k in work.completion]]
-        floats += [[grid[here["index"][k]] for k in work.live], [grid[i] for i in work.completion_from],
-                   [grid[i] for i in work.completion_to]]
-    longs, floats = _DeviceIndex(longs, torch.long, device), _DeviceIndex(floats, torch.float32, device)
-    kopts = kernel_options or {}
-
-    def sde_step(x, v, s, s_next, level, noise):
-        out = kernel_step(kernel, x, v, s, s_next, noise_level=level, sigma_at_one=sigma_at_one, noise=noise,
-                          reduce=log_prob_reduce, **kopts)
-        std = out.std.reshape(out.std.shape[0], -1)[:, 0].expand(x.shape[0]).float()
-        return out.sample, out.log_prob.float(), std, out.mean  # on the device: copied once after the last round
-
-    process_rewards = []
-    for r, work in enumerate(works):
+    indices = _round_indices(first, works, grid, device)
+    stepper = _Stepper(plan, grid, kernel, noise_level, generator, device, log_prob_reduce, kernel_options or {},
+                       row_offset)
+    process_rewards = [] if plan.guidance is not None else None
+    for r, (work, at) in enumerate(zip(works, indices)):
         x = tree.rounds[r].latents
-        live_d, rows_d, branch_d, branch_v, side_d, side_v, comp_d, comp_v = (longs[8 * r + k] for k in range(8))
-        sig_live, c_from, c_to = (floats[3 * r + k] for k in range(3))
-        sent = yield (x if len(work.live) == x.shape[0] else x[live_d]), sig_live, rows_d
+        sent = yield (x if len(work.live) == x.shape[0] else x[at.live]), at.sigma_live, at.rows
         v_live = sent
         if isinstance(sent, tuple):  # the driver says which call evaluated each live node, and its row there
             v_live, calls, slots = sent
-            call, slot = [-1] * x.shape[0], [-1] * x.shape[0]
-            for k, c, q in zip(work.live, calls, slots):
-                call[k], slot[k] = c, q
-            tree.rounds[r].call = torch.tensor(call, dtype=torch.long)
-            tree.rounds[r].slot = torch.tensor(slot, dtype=torch.long)
+            _record_calls(tree, r, work, calls, slots)
         tree.nfe += len(work.live)
-        latents, log_probs, stds, means = [], [], [], []
-        process = None  # the guidance's process rewards of this round's main-line children (first in the round)
-        if work.branch or work.side:
-            i = work.main_index
-            spec = plan.steps[i]
-            s, s_next = grid[i], grid[i + 1]
-            level = noise_level if spec.noise_level is None else spec.noise_level
-        mixed = (bool(work.branch) and plan.prompt_steps is not None
-                 and len(set(work.children["sde"][: len(work.branch)])) > 1)
-        if mixed:  # per-prompt steps: this round's SDE children and ODE children, each kind in one call
-            xs, lp, sd, mean = _mixed_step(work, x[branch_d], v_live[branch_v], spec, generator, device, sde_step,
-                                           (s, s_next, level))
-            latents.append(xs), log_probs.append(lp), stds.append(sd), means.append(mean)
-        elif work.branch:
-            xp, vp = x[branch_d], v_live[branch_v]
-            n = len(work.branch)
-            sde_here = spec.sde if plan.prompt_steps is None else work.children["sde"][0]
-            if sde_here:
-                noise = sibling_noise(tuple(xp.shape), spec.branch, spec.sibling_noise, spec.sibling_strength, generator)
-                xs, lp, sd, mean = sde_step(xp, vp, s, s_next, level, to_device(noise, device))
-                if spec.guided and plan.guidance is not None:  # the sample moves; its log-prob is the unguided one's
-                    rows = torch.tensor([work.children["group"][k] + row_offset for k in range(n)])
-                    shift, process = plan.guidance(xp, vp, s, s_next, rows)
-                    xs = xs + shift
-                    lp = kernel_step(kernel, xp, vp, s, s_next, noise_level=level, sigma_at_one=sigma_at_one,
-                                     prev_sample=xs, reduce=log_prob_reduce, **kopts).log_prob.float()
-            else:
-                xs = kernel_step("ode", xp, vp, s, s_next, noise_level=0.0).sample
-                lp = sd = torch.zeros(n, device=device)
-                mean = xs
-            latents.append(xs), log_probs.append(lp), stds.append(sd), means.append(mean)
+        made, process = [], None  # process: the guidance's rewards of this round's main-line children (first)
+        if work.branch:
+            children, process = stepper.main_children(work, x[at.branch_at], v_live[at.branch_v])
+            made.append(children)
         if work.side:
-            xp, vp = x[side_d], v_live[side_v]
-            noise = to_device(_randn(tuple(xp.shape), generator), device)
-            xs, lp, sd, mean = sde_step(xp, vp, s, grid[i + spec.side_merge], level, noise)
-            latents.append(xs), log_probs.append(lp), stds.append(sd), means.append(mean)
+            made.append(stepper.side_children(work, x[at.side_at], v_live[at.side_v]))
         if work.completion:
-            n = len(work.completion)
-            xs = kernel_step("ode", x[comp_d], v_live[comp_v], c_from, c_to, noise_level=0.0).sample
-            zeros_dev = torch.zeros(n, device=device)
-            latents.append(xs), log_probs.append(zeros_dev), stds.append(zeros_dev), means.append(xs)
-        nxt = Round(torch.cat(latents), **_round_fields(work.children), log_prob=torch.cat(log_probs),
-                    std=torch.cat(stds), mean=torch.cat(means) if store_mean else None)
+            made.append(stepper.completions(x[at.completion_at], v_live[at.completion_v], at.completion_from,
+                                            at.completion_to))
+        nxt = Round(torch.cat([c.sample for c in made]), **_round_fields(work.children),
+                    log_prob=torch.cat([c.log_prob for c in made]), std=torch.cat([c.std for c in made]),
+                    mean=torch.cat([c.mean for c in made]) if store_mean else None)
         if tree.rounds[r].call is not None:  # nodes stay unevaluated until a later round says otherwise
             nxt.call = torch.full((nxt.size,), -1, dtype=torch.long)
             nxt.slot = torch.full((nxt.size,), -1, dtype=torch.long)
         tree.rounds.append(nxt)
-        if plan.guidance is not None:
+        if process_rewards is not None:
             pr = torch.zeros(nxt.size, device=device)
             if process is not None:
                 pr[: len(process)] = to_device(process.detach().float(), device)
             process_rewards.append(pr)
-    # one device-to-host copy of every edge's log-prob and std (and process reward), not one per round
-    sizes = [rnd.size for rnd in tree.rounds]
-    none = [torch.zeros(sizes[0], device=device)]  # the roots have no edge into them
-    packed = torch.cat(none + [rnd.log_prob for rnd in tree.rounds[1:]] + none + [rnd.std for rnd in tree.rounds[1:]]
-                       + (none + process_rewards if plan.guidance is not None else [])).cpu()
-    total = sum(sizes)
-    log_prob, std = packed[:total].split(sizes), packed[total: 2 * total].split(sizes)
-    for rnd, lp, sd in zip(tree.rounds, log_prob, std):
-        rnd.log_prob, rnd.std = lp, sd
-    if plan.guidance is not None:  # round 0 (the roots) has no edge, so no process reward
-        for rnd, pr in zip(tree.rounds[1:], packed[2 * total + sizes[0]:].split(sizes[1:])):
-            rnd.process_reward = pr
+    _edges_to_host(tree, process_rewards, device)
     return tree
 
 
