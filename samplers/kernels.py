@@ -166,9 +166,14 @@ def flow_grpo_sde_step(
     """
     x, v = x.float(), v.float()
     s = _as_batch(sigma, x)
-    s_next = _as_batch(sigma_next, x)
-    dt = s_next - s
     std_dev = noise_level * torch.sqrt(s / (1 - denominator_sigma(s, sigma_at_one)))
+    return _flow_sde(x, v, s, _as_batch(sigma_next, x) - s, std_dev, noise, prev_sample, reduce, lowpass,
+                     lowpass_skip_dc)
+
+
+def _flow_sde(x, v, s, dt, std_dev, noise, prev_sample, reduce, lowpass, lowpass_skip_dc) -> StepOutput:
+    """The Flow-SDE transition for a diffusion coefficient g = ``std_dev``:
+    mean = x (1 + g^2 dt / (2 s)) + v (1 + g^2 (1 - s) / (2 s)) dt, std = g sqrt(-dt)."""
     mean = x * (1 + std_dev**2 / (2 * s) * dt) + v * (1 + std_dev**2 * (1 - s) / (2 * s)) * dt
     std = std_dev * torch.sqrt(-dt)
     if lowpass:
@@ -176,19 +181,9 @@ def flow_grpo_sde_step(
     return _finish(mean, std, noise, prev_sample, reduce)
 
 
-def flash_sde_step(
-    x: torch.Tensor,
-    v: torch.Tensor,
-    sigma,
-    sigma_next,
-    noise_level: float = 1.0,
-    sigma_at_one=None,
-    noise: torch.Tensor | None = None,
-    prev_sample: torch.Tensor | None = None,
-    reduce: str = "mean",
-    lowpass: int = 0,
-    lowpass_skip_dc: bool = False,
-) -> StepOutput:
+def flash_sde_step(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, noise_level: float = 1.0, sigma_at_one=None,
+                   noise: torch.Tensor | None = None, prev_sample: torch.Tensor | None = None, reduce: str = "mean",
+                   lowpass: int = 0, lowpass_skip_dc: bool = False) -> StepOutput:
     """Flash-GRPO's SDE step (arXiv 2605.15980): Flow-GRPO's drift and transition std with the diffusion coefficient
     linear in sigma, sigma_t = a * sigma_1 * sigma (the released code's sigma_min + (sigma_max - sigma_min) sigma with
     sigma_max = sigma_1, the grid's second value, and sigma_min = 0, the last; a = the noise level, 1 there):
@@ -199,13 +194,9 @@ def flash_sde_step(
         raise ValueError("the flash kernel needs sigma_at_one (the grid's second sigma)")
     x, v = x.float(), v.float()
     s = _as_batch(sigma, x)
-    dt = _as_batch(sigma_next, x) - s
     std_dev = noise_level * torch.as_tensor(sigma_at_one, dtype=s.dtype, device=s.device) * s
-    mean = x * (1 + std_dev**2 / (2 * s) * dt) + v * (1 + std_dev**2 * (1 - s) / (2 * s)) * dt
-    std = std_dev * torch.sqrt(-dt)
-    if lowpass:
-        return _finish_lowpass(x + dt * v, mean, std, noise, prev_sample, reduce, lowpass, lowpass_skip_dc)
-    return _finish(mean, std, noise, prev_sample, reduce)
+    return _flow_sde(x, v, s, _as_batch(sigma_next, x) - s, std_dev, noise, prev_sample, reduce, lowpass,
+                     lowpass_skip_dc)
 
 
 def dance_sde_step(
