@@ -24,6 +24,7 @@ import torch
 
 from .engine import rollout
 from .errors import ConfigError
+from .report.correlation import spearman
 from .samplers import RolloutPlan, StepSpec
 
 
@@ -42,25 +43,6 @@ def choose(rewards: torch.Tensor, keep: int, how: str, gen: torch.Generator) -> 
         return sorted(order[:keep])
     top, bottom = (keep + 1) // 2, keep // 2
     return sorted(order[:top] + (order[n - bottom:] if bottom else []))
-
-
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Spearman's rank correlation of two (N,) vectors (average ranks for ties); NaN where either is constant."""
-    def ranks(x):
-        x = x.double()
-        order = torch.argsort(x, stable=True)
-        out = torch.empty_like(x)
-        out[order] = torch.arange(len(x), dtype=torch.float64)
-        for v in torch.unique(x):
-            m = x == v
-            if int(m.sum()) > 1:
-                out[m] = out[m].mean()
-        return out
-
-    ra, rb = ranks(a), ranks(b)
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    den = float(ra.norm() * rb.norm())
-    return float((ra * rb).sum()) / den if den > 0 else float("nan")
 
 
 def check_pool(cfg, plan: RolloutPlan, roots: list[int] | None, distributed: bool) -> None:

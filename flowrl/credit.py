@@ -33,6 +33,8 @@ from typing import Callable
 
 import torch
 
+from .report.correlation import pearson, spearman
+
 # one continuation step: (from grid index, to grid index, stochastic, noise level)
 Step = tuple[int, int, bool, float]
 # stepper(x (N, *latent), rows (N,) prompt rows, sigma_from (N,), sigma_to (N,), sde (N,) bool, level (N,),
@@ -190,28 +192,6 @@ def _stride(plan, lineage: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------- comparing
-def _ranks(x: torch.Tensor) -> torch.Tensor:
-    """Average ranks (ties share their mean rank)."""
-    order = torch.argsort(x, stable=True)
-    ranks = torch.empty_like(x, dtype=torch.float64)
-    ranks[order] = torch.arange(len(x), dtype=torch.float64)
-    for v in torch.unique(x):
-        m = x == v
-        if int(m.sum()) > 1:
-            ranks[m] = ranks[m].mean()
-    return ranks
-
-
-def pearson(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double() - a.double().mean(), b.double() - b.double().mean()
-    den = math.sqrt(float((a * a).sum()) * float((b * b).sum()))
-    return float((a * b).sum()) / den if den > 0 else float("nan")
-
-
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    return pearson(_ranks(a.double()), _ranks(b.double()))
-
-
 @dataclass
 class Agreement:
     transitions: int
