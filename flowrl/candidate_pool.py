@@ -2,7 +2,8 @@
 sampler choice any method with independent initial noises can use (``sampler.pool``).
 
 Per prompt, ``size`` initial noises are drawn and each is taken to an image by a cheap ODE rollout: fewer steps
-(``num_steps``), lower precision (bf16 autocast) and its own CFG scale; the images are scored with the run's
+(``num_steps``), lower precision (``precision``: bf16 autocast, or int8 / fp8 linear layers quantized from the
+current weights, :mod:`flowrl.low_precision`) and its own CFG scale; the images are scored with the run's
 rewards. The real rollout then starts from the chosen noises only (``select``: the best half and the worst half of
 the cheap rewards, Sol-RL's, or the best, or a random choice as a control), with the plan's steps, kernel,
 precision and step noise, so its log-probs are exactly those of a plain rollout from those noises and the first
@@ -24,6 +25,7 @@ import torch
 
 from .engine import rollout
 from .errors import ConfigError
+from .low_precision import LOW_PRECISIONS, low_precision_linears, unavailable
 from .report.correlation import spearman
 from .samplers import RolloutPlan, StepSpec
 
@@ -74,13 +76,25 @@ class CandidatePool:
         self.sigmas = sigmas
         self.guidance = s.guidance_scale if p.guidance_scale is None else p.guidance_scale
         self.max_batch = s.max_batch
+        why = unavailable(p.precision, adapter.device)
+        if why:
+            raise ConfigError(f"sampler.pool.precision={p.precision}: {why}")
         self.cheap_rewards: torch.Tensor | None = None  # (P, N) the last pass's
         self.chosen_rewards: torch.Tensor | None = None  # (sum(roots),) the chosen candidates' cheap rewards
 
     def precision(self):
-        if self.options.precision == "fp32":
+        """The cheap pass's arithmetic. fp8 runs the layers that are not linear in bf16 as well; int8's CPU kernels
+        take float32 activations, so the rest stays in the model's dtype."""
+        p, device = self.options.precision, self.adapter.device.type
+        if p == "fp32":
             return contextlib.nullcontext()
-        return torch.autocast(self.adapter.device.type, dtype=torch.bfloat16)
+        stack = contextlib.ExitStack()
+        if p != "int8":
+            stack.enter_context(torch.autocast(device, dtype=torch.bfloat16))
+        if p in LOW_PRECISIONS:
+            stack.enter_context(low_precision_linears([self.adapter.transformer, *self.adapter.extra_transformers()],
+                                                      p))
+        return stack
 
     @torch.no_grad()
     def __call__(self, cond, gen: torch.Generator, prompts: list[str], metadata: list,

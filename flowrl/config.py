@@ -169,9 +169,10 @@ class PoolConfig(Section):
                       "half from the bottom of the cheap rewards, Sol-RL's), best, or random (a control)",
                       choices=["best_worst", "best", "random"])
     num_steps: int = opt(6, "ODE steps of the cheap rollout (Sol-RL: 6, the real rollout 10)", lo=1)
-    precision: str = opt("bf16", "the cheap rollout's arithmetic: bf16 (autocast on the device; Sol-RL explores in "
-                         "NVFP4 on Blackwell GPUs) or fp32 (the model's own dtype, fewer steps only)",
-                         choices=["bf16", "fp32"])
+    precision: str = opt("bf16", "the cheap rollout's arithmetic: bf16 (autocast on the device), int8 (dynamic int8 "
+                         "linear layers, CPU), fp8 (float8 linear layers on GPUs of compute capability 8.9+; Sol-RL "
+                         "explores in NVFP4 on Blackwell GPUs) or fp32 (the model's own dtype, fewer steps only)",
+                         choices=["bf16", "int8", "fp8", "fp32"])
     guidance_scale: Optional[float] = opt(None, "CFG of the cheap rollout (null: the sampler's; Sol-RL: 1, off)",
                                           lo=0.0)
 

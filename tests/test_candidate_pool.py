@@ -1,5 +1,6 @@
 """The cheap candidate pool (sampler.pool): its choice by hand, the real rollout from the chosen noises equal to a
-plain rollout from them, the noise split across rollout batches, the first update's ratio, and its refusals."""
+plain rollout from them, the noise split across rollout batches, the first update's ratio, the int8 and fp8 cheap
+passes, and its refusals."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from flowrl.samplers import RolloutPlan, StepSpec
 from flowrl.candidate_pool import choose, spearman
 from flowrl.engine import rollout
 from flowrl.errors import ConfigError
+from flowrl.low_precision import low_precision_linears, unavailable
 from flowrl.trainer import Trainer
 
 from .conftest import make_cfg
@@ -78,3 +80,51 @@ def test_a_pool_the_plan_cannot_use_is_refused_before_the_run_folder(tmp_path):
     with pytest.raises(ConfigError, match="at least as many"):
         Trainer(make_cfg(tmp_path, "algorithm.group_size=4", "sampler.pool.size=3", BRIGHT))
     assert not any(tmp_path.iterdir())
+
+
+def _weights_by_hand(w, levels, rounding):
+    """Per-output-channel symmetric quantization: s = amax / levels, w ~ rounding(w / s) s."""
+    s = w.abs().amax(dim=1, keepdim=True) / levels
+    return rounding(w / s) * s
+
+
+def _by_hand(x, w, b, precision):
+    """The quantized product from its formula. int8 (PyTorch's dynamic quantization on the CPU): the activations per
+    tensor, affine over [min(x, 0), max(x, 0)] in 256 levels with an integer zero point; the weights per channel in
+    +-127. fp8: activation rows and weight channels each scaled to e4m3's +-448 and rounded to e4m3."""
+    if precision == "int8":
+        lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+        scale = (hi - lo) / 255
+        zero = round(-lo / scale)
+        xq = (torch.clamp(torch.round(x / scale) + zero, 0, 255) - zero) * scale
+        return xq @ _weights_by_hand(w, 127.0, torch.round).t() + b
+    e4m3 = lambda v: v.to(torch.float8_e4m3fn).float()  # noqa: E731
+    return _weights_by_hand(x, 448.0, e4m3) @ _weights_by_hand(w, 448.0, e4m3).t() + b
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_low_precision_linears_by_hand_and_leave_the_layers_as_they_were(precision):
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(32, 16)
+    x = torch.randn(5, 32, generator=gen)
+    exact = layer(x).detach()
+    with low_precision_linears([torch.nn.Sequential(layer)], precision):
+        cheap = layer(x.view(5, 1, 32)).view(5, 16).detach()  # leading dimensions pass through
+    hand = _by_hand(x, layer.weight.detach(), layer.bias.detach(), precision)
+    # int8 accumulates exactly in int32; fp8's product is returned in bf16 (8 bits of mantissa)
+    assert float((cheap - hand).abs().max()) < (1e-5 if precision == "int8" else 1e-2 * float(hand.abs().max()))
+    # the quantized product stays near the exact one, and far from it in the last bits (it is a different product)
+    relative = float((cheap - exact).norm() / exact.norm())
+    assert 1e-5 < relative < (0.02 if precision == "int8" else 0.1)
+    assert "forward" not in layer.__dict__ and torch.equal(layer(x), exact)
+
+
+def test_low_precision_cheap_passes_keep_the_first_ratio_and_are_refused_where_they_cannot_run(tmp_path):
+    for precision in ("int8", "fp8"):
+        cfg = make_cfg(tmp_path / precision, "train.iterations=1", "sampler.num_steps=3", "algorithm.group_size=3",
+                       "train.prompts_per_iter=2", "sampler.pool.size=6", "sampler.pool.num_steps=2",
+                       f"sampler.pool.precision={precision}", BRIGHT)
+        row = Trainer(cfg).iteration(0)
+        assert row["ratio_max_abs_dev_first_update"] < 1e-6 and row["pool/nfe"] == 2 * 6 * 2
+    assert unavailable("int8", torch.device("cpu")) is None and unavailable("fp8", torch.device("cpu")) is None
+    assert "on the CPU" in unavailable("int8", torch.device("cuda"))

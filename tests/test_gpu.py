@@ -1,5 +1,6 @@
 """Checks that need a CUDA device (``pytest -m gpu``; `flowrl gpu-check` runs them): the rollout's hot path makes
-no host synchronisation per denoising round."""
+no host synchronisation per denoising round; the candidate pool's fp8 linear layers compute their formula on the
+GPU's FP8 tensor cores."""
 
 from __future__ import annotations
 
@@ -76,3 +77,26 @@ def test_an_optimisation_step_synchronises_as_often_for_8_steps_as_for_4(tmp_pat
         finally:
             trainer_module.optimise = optimise
     assert counts[4] == counts[8], f"{counts[4]} synchronisations for 4 steps, {counts[8]} for 8"
+
+
+def test_fp8_linear_layers_compute_their_formula_on_the_gpu():
+    """On a GPU with FP8 tensor cores: an fp8 layer equals its formula (e4m3 rows and channels, bf16 output)."""
+    from flowrl.low_precision import low_precision_linears, unavailable
+
+    device = torch.device("cuda")
+    why = unavailable("fp8", device)
+    if why:
+        pytest.skip(why)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layer = torch.nn.Linear(64, 32, device=device)
+    x = torch.randn(8, 64, device=device, generator=gen)
+    e4m3 = lambda v: v.to(torch.float8_e4m3fn).float()  # noqa: E731
+
+    def by_hand(v, levels=448.0):
+        s = v.abs().amax(dim=1, keepdim=True) / levels
+        return e4m3(v / s) * s
+
+    hand = by_hand(x) @ by_hand(layer.weight.detach()).t() + layer.bias.detach()
+    with torch.no_grad(), low_precision_linears([layer], "fp8"):
+        cheap = layer(x)
+    assert float((cheap - hand).abs().max()) < 1e-2 * float(hand.abs().max())

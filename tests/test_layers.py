@@ -32,7 +32,7 @@ LAYERS = [
     ("plan / kernels", ["flowrl.samplers", "flowrl.samplers.*"]),
     ("config / errors / io", ["flowrl", "flowrl.config", "flowrl.errors", "flowrl.registry", "flowrl.resources",
                               "flowrl.tokenizer", "flowrl.report", "flowrl.report.*", "flowrl.cli_types",
-                              "flowrl.digests", "flowrl.attention", "flowrl.editing",
+                              "flowrl.digests", "flowrl.attention", "flowrl.low_precision", "flowrl.editing",
                               "flowrl.randomness"]),
 ]
 
