@@ -421,9 +421,9 @@ class RewardHackingGuard(Callback):
         if not self.g.diversity_embedder:
             return pixel_embeddings(images)
         if self.embedder is None:
-            from .rewards.embedding import ImageEmbedder
+            from .rewards.embedding import image_embedder
 
-            self.embedder = ImageEmbedder(self.g.diversity_embedder)
+            self.embedder = image_embedder(self.g.diversity_embedder)
         return F.normalize(self.embedder(images), dim=-1)
 
     def score_watched(self, images, prompts: list[str], seeds: list[int]) -> dict[str, tuple[float, float]]:

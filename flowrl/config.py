@@ -427,7 +427,8 @@ class GuardConfig(Section):
     watched_tolerance: float = opt(3.0, "a watched reward may fall this many standard errors of its starting mean "
                                    "(the spread of the guard's samples / sqrt(their number))", lo=0.0, lo_open=True)
     diversity_embedder: str = opt("", "a vision backbone for diversity (a folder or hub id of a transformers image "
-                                  "model, as GARDO's); empty: the images downsampled to 32 x 32")
+                                  "model, as GARDO's, or tiny-clip: the shipped shapes CLIP); empty: the images "
+                                  "downsampled to 32 x 32")
     diversity_drop: float = opt(0.5, "diversity may fall to (1 - this) of its start", lo=0.0, hi=1.0)
     artifact_rise: float = opt(0.5, "the periodic-artifact score (log power ratio at the patch period) may rise this "
                                "much", lo=0.0, lo_open=True)

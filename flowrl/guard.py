@@ -5,7 +5,8 @@ at the start of the run:
 - **watched rewards**: rewards the run does not train on (``guard.watched``); a fall of more than
   ``guard.watched_tolerance`` standard errors of the starting mean (over the guard's samples) triggers;
 - **diversity**: the mean pairwise distance between the embeddings of one prompt's samples (a vision backbone,
-  ``guard.diversity_embedder``, else the images downsampled to 32 x 32), averaged over prompts; a fall to less than
+  ``guard.diversity_embedder``, such as ``tiny-clip``, else the images downsampled to 32 x 32), averaged over
+  prompts (:func:`rewards.embedding.diversity`, which DiverseGRPO logs for its training groups too); a fall to less than
   ``1 - guard.diversity_drop`` of the start triggers;
 - **periodic artifacts**: the power of the decoded images' spectrum at the model's patch period (the family's
   pixels per latent patch) and its harmonics over that of the neighbouring frequencies, as a log ratio averaged over
@@ -26,6 +27,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from .rewards.embedding import diversity, pixel_embeddings  # noqa: F401  (the guard's diversity, shared with methods)
 
 
 # ------------------------------------------------------------------------------------------ the signals
@@ -65,29 +68,6 @@ def periodic_artifact_score(images: torch.Tensor, period: int) -> float:
         background = power[:, near].mean(1) * len(harmonics)
         scores.append(torch.log((peak + 1e-12) / (background + 1e-12)))
     return float(torch.stack(scores).mean()) if scores else 0.0
-
-
-def pixel_embeddings(images: torch.Tensor) -> torch.Tensor:
-    """(N, D) the images (videos: frames averaged) area-downsampled to 32 x 32, flattened; distances between them are
-    RMS pixel differences once divided by sqrt(D)."""
-    if images.ndim == 5:
-        return pixel_embeddings(images.flatten(0, 1)).view(images.shape[0], images.shape[1], -1).mean(1)
-    small = F.interpolate(images.float(), size=(32, 32), mode="area")
-    return small.flatten(1) / math.sqrt(small[0].numel())
-
-
-def diversity(embeddings: torch.Tensor, groups: int) -> float:
-    """Mean pairwise Euclidean distance among each group's embeddings, averaged over the groups; ``embeddings`` (N, D)
-    holds ``groups`` prompt-major groups of N / groups samples. Identical samples give 0."""
-    per = embeddings.shape[0] // groups
-    values = []
-    for g in range(groups):
-        e = embeddings[g * per:(g + 1) * per].double()
-        if len(e) < 2:
-            continue
-        d = torch.cdist(e, e, compute_mode="donot_use_mm_for_euclid_dist")  # exact: identical samples give 0
-        values.append(float(d.sum() / (len(e) * (len(e) - 1))))
-    return sum(values) / len(values) if values else 0.0
 
 
 # Gray levels over which a pixel goes from fully dark (0) to not dark (0.1), and from not blown-out (0.9) to fully

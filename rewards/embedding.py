@@ -1,12 +1,20 @@
 """Image embeddings from a transformers vision backbone (DINOv2, DINOv3, a CLIP vision tower, ...): one pooled
 vector per image, for methods that measure how different a group's samples are (GARDO's diversity-aware
-advantages). The backbone's own image processor prepares the images. The vector is a dual encoder's projected
+advantages, DiverseGRPO's clusters, the hacking guard's diversity). The backbone's own image processor prepares the
+images. The vector is a dual encoder's projected
 image embedding (``get_image_features``: CLIP, SigLIP), else the model's ``pooler_output`` (the normalised CLS token
-for DINOv2 / DINOv3), else the first token of ``last_hidden_state``."""
+for DINOv2 / DINOv3), else the first token of ``last_hidden_state``. ``tiny-clip`` names the shipped shapes CLIP's
+image tower (the shapes models' feature model).
+
+:func:`diversity` is the one measure of how different a group's samples are, for the guard and for methods that log
+it."""
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 from flowrl.errors import RewardError
 
@@ -47,3 +55,56 @@ class ImageEmbedder:
             pooled = getattr(out, "pooler_output", None)
             pooled = out.last_hidden_state[:, 0] if pooled is None else pooled  # (N, D)
         return pooled.flatten(1).float().cpu()
+
+
+TINY_CLIP = "tiny-clip"
+
+
+class TinyClipEmbedder:
+    """The shipped tiny shapes CLIP's normalised image embeddings (64-d), for the shapes models: ``embedder(images)``
+    as :class:`ImageEmbedder`'s."""
+
+    def __init__(self):
+        from .clip import ClipScore
+
+        self.clip, self.name = ClipScore("tiny-shapes"), TINY_CLIP
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        if images.ndim == 5:
+            n, f = images.shape[:2]
+            return self(images.flatten(0, 1)).view(n, f, -1).mean(1)
+        return self.clip.embed_images(images).cpu()
+
+
+def image_embedder(name_or_path: str):
+    """The embedder a key names: ``tiny-clip`` (shipped), else a transformers vision backbone (folder or hub id)."""
+    return TinyClipEmbedder() if name_or_path == TINY_CLIP else ImageEmbedder(name_or_path)
+
+
+def pixel_embeddings(images: torch.Tensor) -> torch.Tensor:
+    """(N, D) the images (videos: frames averaged) area-downsampled to 32 x 32, flattened; distances between them are
+    RMS pixel differences once divided by sqrt(D)."""
+    if images.ndim == 5:
+        return pixel_embeddings(images.flatten(0, 1)).view(images.shape[0], images.shape[1], -1).mean(1)
+    small = F.interpolate(images.float(), size=(32, 32), mode="area")
+    return small.flatten(1) / math.sqrt(small[0].numel())
+
+
+def group_diversity(embeddings: torch.Tensor, labels: torch.Tensor) -> float:
+    """Mean pairwise Euclidean distance among the embeddings (N, D) of each group (``labels`` (N,)), averaged over the
+    groups of two or more. Identical samples give 0."""
+    values = []
+    for g in labels.unique().tolist():
+        e = embeddings[labels == g].double()
+        if len(e) < 2:
+            continue
+        d = torch.cdist(e, e, compute_mode="donot_use_mm_for_euclid_dist")  # exact: identical samples give 0
+        values.append(float(d.sum() / (len(e) * (len(e) - 1))))
+    return sum(values) / len(values) if values else 0.0
+
+
+def diversity(embeddings: torch.Tensor, groups: int) -> float:
+    """:func:`group_diversity` of ``groups`` prompt-major groups of N / groups samples each."""
+    per = embeddings.shape[0] // groups
+    return group_diversity(embeddings[:groups * per], torch.arange(groups * per) // per)

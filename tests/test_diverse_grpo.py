@@ -73,3 +73,26 @@ def test_one_iteration_adds_the_bonus_and_starts_at_ratio_one(tmp_path):
     row = Trainer(cfg).iteration(0)
     assert 1.0 <= row["diverse_bonus"] <= 2.0 and row["diverse_clusters"] >= 1.0  # sqrt(4 / n) for n in 1..4
     assert row["ratio_max_abs_dev_first_update"] < 1e-5
+
+
+def test_the_tiny_clip_features_cluster_and_the_groups_diversity_is_the_guards_measure(tmp_path):
+    """With ``embedder: tiny-clip`` (the shapes domain's feature model) the reward set embeds every rollout image
+    with the shipped CLIP, and ``diverse_diversity`` is the hacking guard's diversity of those normalised
+    embeddings, recomputed here from the iteration's own images."""
+    from flowrl.guard import diversity
+    from flowrl.rewards.embedding import image_embedder
+    from flowrl.trainer import Trainer
+
+    cfg = make_cfg(tmp_path, "algorithm.name=diverse_grpo", "algorithm.group_size=4", "algorithm.embedder=tiny-clip",
+                   "train.prompts_per_iter=2", "train.iterations=1", "log.eval_every=0", "guard.enabled=false")
+    tr = Trainer(cfg)
+    seen = {}
+    embed = tr.rewards.embedder
+    tr.rewards.embed_images_with(lambda images: seen.setdefault("f", embed(images)))
+    row = tr.iteration(0)
+    features = seen["f"]  # (8, 64): 2 prompts x 4 samples, prompt-major
+    assert features.shape == (8, 64)
+    hand = diversity(torch.nn.functional.normalize(features, dim=-1), 2)
+    assert row["diverse_diversity"] == pytest.approx(hand, rel=1e-9) and hand > 0
+    same = image_embedder("tiny-clip")(torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0)))
+    assert same.shape == (3, 64) and torch.allclose(same.norm(dim=-1), torch.ones(3), atol=1e-5)

@@ -23,9 +23,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ..config import opt
 from ..errors import ConfigError
+from ..rewards.embedding import group_diversity
 from ..samplers.kernels import flow_grpo_noise_scale
 from .flow_grpo import FlowGRPO, FlowGRPOOptions
 
@@ -35,8 +37,9 @@ class DiverseGRPOOptions(FlowGRPOOptions):
                                  "(the paper tries 1, 3 and 5; gains saturate between 3 and 5)", lo=0.0)
     max_clusters: int = opt(0, "at most this many clusters per group, chosen by the largest eigengap (0: half "
                             "the group)", lo=0)
-    embedder: str = opt("", "a transformers vision backbone (hub id or local folder) whose embeddings give the "
-                        "distances (the paper: DreamSim, not shipped); empty: the final latents")
+    embedder: str = opt("", "a transformers vision backbone (hub id or local folder), or tiny-clip (the shipped "
+                        "shapes CLIP), whose embeddings give the distances (the paper: DreamSim, not shipped); "
+                        "empty: the final latents")
     reg_steps: int = opt(-1, "K: the first K denoising steps carry the mean-matching regulariser (-1: a third of "
                          "the steps, where the paper finds two thirds of the diversity change)", lo=-1)
 
@@ -129,9 +132,9 @@ class DiverseGRPO(FlowGRPO):
         """With ``embedder``: load it now (a missing model fails before any work) and have the reward set embed
         every rollout image beside its scores."""
         if self.opts.embedder:
-            from ..rewards.embedding import ImageEmbedder
+            from ..rewards.embedding import image_embedder
 
-            rewards.embed_images_with(ImageEmbedder(self.opts.embedder))
+            rewards.embed_images_with(image_embedder(self.opts.embedder))
 
     def reg_steps(self) -> int:
         t = self.cfg.sampler.num_steps
@@ -148,8 +151,13 @@ class DiverseGRPO(FlowGRPO):
         features = scores.features if scores.features is not None else tree.leaves.cpu()  # (L, D) / (L, C, H, W)
         bonus, clusters = creativity_bonus(features, tree.leaf_group, torch.isfinite(quality), self.opts.max_clusters)
         node_adv, keep, stats = self.advantages(tree, quality + self.opts.creativity_beta * bonus, it, prompts)
-        stats.update({"diverse_bonus": float(bonus[torch.isfinite(quality)].mean()),
-                      "diverse_clusters": float(clusters[torch.isfinite(quality)].mean())})
+        ok = torch.isfinite(quality)
+        # the groups' diversity as the hacking guard measures it on held-out prompts (guard/diversity), with the
+        # same normalised embeddings where guard.diversity_embedder is this method's embedder
+        embedded = F.normalize(features.flatten(1).float(), dim=-1) if scores.features is not None else None
+        stats.update({"diverse_bonus": float(bonus[ok].mean()), "diverse_clusters": float(clusters[ok].mean())})
+        if embedded is not None:
+            stats["diverse_diversity"] = group_diversity(embedded[ok], tree.leaf_group.cpu()[ok])
         return node_adv, keep, stats
 
     def mean_matching_scale(self, step: torch.Tensor) -> torch.Tensor:

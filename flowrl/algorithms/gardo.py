@@ -124,9 +124,9 @@ class GARDO(TransitionAlgorithm):
         """With ``diversity_model``: load it now (a missing model fails before any work) and have the reward set
         embed every rollout image beside its scores."""
         if self.opts.diversity and self.opts.diversity_model:
-            from ..rewards.embedding import ImageEmbedder
+            from ..rewards.embedding import image_embedder
 
-            rewards.embed_images_with(ImageEmbedder(self.opts.diversity_model))
+            rewards.embed_images_with(image_embedder(self.opts.diversity_model))
 
     def reference_copies(self) -> int:
         return 1  # the moving reference
