@@ -305,3 +305,96 @@ def memory_growth(cfg, iterations: int = 300, progress: bool = True) -> dict:
         out.update({"rss_trimmed_mb_last": round(trimmed[-1], 1), "rss_trimmed_slope_mb_per_100_iterations": t_slope,
                     "trimmed_slope_stderr_mb_per_100_iterations": t_stderr})
     return out
+
+
+def _settings(trainer) -> dict:
+    """The CPU settings ``--profile`` compares, each a context that applies it for one rollout (None: left out)."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    @contextlib.contextmanager
+    def threads(n):
+        old = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(old)
+
+    @contextlib.contextmanager
+    def matmul(precision):
+        old = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(precision)
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(old)
+
+    n = torch.get_num_threads()
+    return {
+        f"as configured ({n} threads, fp32)": contextlib.nullcontext,
+        "one thread": (lambda: threads(1)) if n > 1 else None,
+        "fp32 matmul precision 'medium' (bf16 inside)": lambda: matmul("medium"),
+        "bf16 autocast": lambda: torch.autocast(trainer.device.type, dtype=torch.bfloat16),
+        "SDPA math kernel only": lambda: sdpa_kernel([SDPBackend.MATH]),
+    }
+
+
+def profile_rollout(cfg, rounds: int = 3, compile_blocks: bool = True) -> dict:
+    """``flowrl bench --profile``: the config's rollout (one iteration's plan and prompts) under each setting of
+    :func:`_settings`, taken in turns; per setting the median seconds, the ratio to the configured run and the largest
+    difference in the final latents (how far the setting moves what the rewards see). With ``compile_blocks``, last,
+    ``train.compile_transformer``'s compiled blocks: the first rollout's seconds (compilation included), then the
+    steady state."""
+    import statistics
+    import types
+
+    from .policy import configure_update_path
+    from .trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = cfg.model_copy(update={"log": cfg.log.model_copy(update={"output_dir": tmp, "run_name": "profile",
+                                                                       "progress": False})})
+        trainer = Trainer(cfg)
+        plan = trainer.algorithm.plan(0, random.Random(0), trainer.sigmas)
+        prompts, _ = trainer.prompts.batch(0, cfg.train.prompts_per_iter)
+        cond = trainer.adapter.encode_prompts(prompts)
+
+        def one() -> tuple[float, torch.Tensor]:
+            gen = torch.Generator().manual_seed(1234)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                tree = rollout(trainer.adapter, cond, plan, trainer.sigmas, trainer.latent_shape,
+                               kernel=cfg.sampler.kernel, noise_level=cfg.sampler.noise_level, generator=gen,
+                               max_batch=cfg.sampler.max_batch, guidance_scale=cfg.sampler.guidance_scale,
+                               negative=trainer.negative)
+            synchronize(trainer.device)
+            return time.perf_counter() - t0, tree.leaves.float()
+
+        _, reference = one()  # also the warm-up
+        settings = {k: v for k, v in _settings(trainer).items() if v is not None}
+        seconds: dict[str, list[float]] = {k: [] for k in settings}
+        moved: dict[str, float] = {}
+        for _ in range(rounds):
+            for name, apply in settings.items():
+                with apply():
+                    s, leaves = one()
+                seconds[name].append(s)
+                moved[name] = float((leaves - reference).abs().max())
+        base = statistics.median(next(iter(seconds.values())))
+        rows = [{"setting": k, "seconds": round(statistics.median(v), 4),
+                 "speed_vs_configured": round(base / statistics.median(v), 3), "max_abs_latent_change": moved[k]}
+                for k, v in seconds.items()]
+        if compile_blocks:
+            configure_update_path(trainer.adapter.transformer, types.SimpleNamespace(
+                gradient_checkpointing=False, attention_backend=cfg.train.attention_backend, compile_transformer=True))
+            first, _ = one()
+            steady = [one() for _ in range(rounds)]
+            rows.append({"setting": "train.compile_transformer (compiled blocks)",
+                         "seconds": round(statistics.median(s for s, _ in steady), 4),
+                         "speed_vs_configured": round(base / statistics.median(s for s, _ in steady), 3),
+                         "max_abs_latent_change": float((steady[-1][1] - reference).abs().max()),
+                         "first_rollout_seconds_with_compilation": round(first, 2)})
+        return {"plan": plan.describe(), "device": str(trainer.device), "threads": torch.get_num_threads(),
+                "rounds": rounds, "settings": rows}

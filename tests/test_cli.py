@@ -239,3 +239,18 @@ def test_the_bench_gpu_command_reaches_the_benchmark_with_its_options(monkeypatc
     assert main(["bench-gpu", "--tiny", "--families", "sd35m", "--resolutions", "32", "--out",
                  str(tmp_path / "b.json")]) == 0
     assert seen == {"families": ("sd35m",), "resolutions": (32,), "peak": None, "tiny": True}
+
+
+def test_bench_profile_times_each_cpu_setting_against_the_configured_rollout():
+    """`flowrl bench --profile`: the same rollout (plan, prompts, noise) under each setting; the configured one
+    reproduces its own latents exactly, bf16 autocast moves them (seconds are printed, not asserted)."""
+    from flowrl.bench import profile_rollout
+    from flowrl.config import load_config
+
+    cfg = load_config(None, ["train.prompts_per_iter=1", "algorithm.group_size=2", "sampler.num_steps=2",
+                             "guard.enabled=false"])
+    out = profile_rollout(cfg, rounds=1, compile_blocks=False)
+    rows = {r["setting"].split(" (")[0]: r for r in out["settings"]}
+    assert rows["as configured"]["max_abs_latent_change"] == 0.0 and rows["as configured"]["speed_vs_configured"] == 1
+    assert rows["bf16 autocast"]["max_abs_latent_change"] > 1e-4
+    assert all(r["seconds"] > 0 for r in out["settings"]) and out["plan"].startswith("roots=")

@@ -46,6 +46,17 @@ def cmd_bench(args) -> int:
     tokens = ([args.config] if args.config else []) + list(args.overrides)
     overrides = [t for t in tokens if "=" in t]
     configs = [t for t in tokens if "=" not in t] or [None]
+    if args.profile:
+        from ..bench import profile_rollout
+
+        if len(configs) > 1:
+            raise FlowRLError("--profile measures one config; give one")
+        result = profile_rollout(load_cli_config(configs[0], overrides), args.rounds)
+        for row in result["settings"]:
+            print(f"{row['setting']:48s} {row['seconds']:8.3f} s  x{row['speed_vs_configured']:.2f}  "
+                  f"max |change| of the final latents {row['max_abs_latent_change']:.1e}", file=sys.stderr)
+        print(json.dumps({"config": configs[0] or "default", **result}, indent=1))
+        return 0
     if args.memory:
         if len(configs) > 1:
             raise FlowRLError("--memory measures one config; give one")
@@ -112,6 +123,9 @@ def add_parsers(sub) -> None:
                    "taken in turns (A B C A B C ...); medians and spread")
     b.add_argument("--memory", type=int, metavar="N", help="instead: train N iterations and print the resident "
                    "memory's slope over the second half (MiB per 100 iterations), to catch leaks")
+    b.add_argument("--profile", action="store_true", help="instead: the config's rollout under each CPU setting "
+                   "(threads, fp32 matmul precision, bf16 autocast, SDPA kernels, compiled blocks), --rounds times in "
+                   "turns: seconds, speed against the configured run and how far each moves the final latents")
     b.set_defaults(func=cmd_bench)
     bg = sub.add_parser("bench-gpu", help="SD3.5-Medium- and FLUX.1-sized transformers (random weights, real configs): "
                         "LoRA GRPO update step and flat / tree rollouts; time, images/s, TFLOP/s, MFU, peak memory")
