@@ -52,9 +52,9 @@ def check_pool(cfg, plan: RolloutPlan, roots: list[int] | None, distributed: boo
     size = cfg.sampler.pool.size
     if not size:
         return
-    if distributed:
-        raise ConfigError("sampler.pool: the candidate pool runs in one process for now; set sampler.pool.size=0 "
-                          "or train without accelerate launch")
+    if distributed and (cfg.train.fsdp.enabled or cfg.train.context_parallel.degree > 1):
+        raise ConfigError("sampler.pool: the cheap pass runs each process's own prompts on its whole transformer "
+                          "(data parallel); with train.fsdp or context parallelism set sampler.pool.size=0")
     most = max(roots) if roots else plan.roots_per_prompt
     if most < 2:
         raise ConfigError(f"sampler.pool.size={size}: {cfg.algorithm.name}'s plan starts each prompt from one shared "
@@ -68,10 +68,12 @@ def check_pool(cfg, plan: RolloutPlan, roots: list[int] | None, distributed: boo
 class CandidatePool:
     """The cheap pass of ``sampler.pool`` for one run (see the module text)."""
 
-    def __init__(self, cfg, adapter, sigmas: torch.Tensor, latent_shape: tuple[int, ...], rewards, negative):
-        """``sigmas``: the cheap rollout's (pool.num_steps + 1,) grid."""
+    def __init__(self, cfg, adapter, sigmas: torch.Tensor, latent_shape: tuple[int, ...], rewards, negative,
+                 procs=None):
+        """``sigmas``: the cheap rollout's (pool.num_steps + 1,) grid; ``procs``: the run's processes (data parallel:
+        each scores the candidates of the prompts it rolls out, and every process learns every choice)."""
         p, s = cfg.sampler.pool, cfg.sampler
-        self.options, self.adapter, self.rewards, self.negative = p, adapter, rewards, negative
+        self.options, self.adapter, self.rewards, self.negative, self.procs = p, adapter, rewards, negative, procs
         self.latent_shape = latent_shape
         self.sigmas = sigmas
         self.guidance = s.guidance_scale if p.guidance_scale is None else p.guidance_scale
@@ -98,30 +100,49 @@ class CandidatePool:
 
     @torch.no_grad()
     def __call__(self, cond, gen: torch.Generator, prompts: list[str], metadata: list,
-                 roots: list[int]) -> tuple[torch.Tensor, dict]:
+                 roots: list[int], batches: list[list[int]] | None = None) -> tuple[torch.Tensor, dict]:
         """The chosen initial noises, (sum(roots), *latent) prompt-major, and the pass's statistics.
 
         Args:
             cond: the P prompts' encoded batch.
             gen: the iteration's generator: the pool takes one seed from it and draws from its own.
             roots: the real rollout's initial noises per prompt (the plan's roots, or the algorithm's group sizes).
+            batches: the prompts of each rollout batch this process rolls out (None: all prompts in one batch). The
+                cheap pass runs batch by batch, as the real rollout does (its memory, and the same arithmetic
+                however the batches are dealt). Every process draws every candidate's noise from the same seed and
+                scores its own batches' candidates; the choices are exchanged, so each process holds every
+                prompt's chosen noises and cheap rewards, as one process would.
         """
         o, n, sigmas, start = self.options, self.options.size, self.sigmas, time.perf_counter()
         own = torch.Generator().manual_seed(int(torch.randint(1 << 62, (1,), generator=gen)))
-        noise = torch.randn((len(prompts) * n, *self.latent_shape), generator=own)  # (P * N, *latent)
+        count = len(prompts)
+        noise = torch.randn((count * n, *self.latent_shape), generator=own)  # (P * N, *latent)
+        # one seed per prompt for a random choice, so a prompt's choice does not depend on which process makes it
+        choice_seeds = torch.randint(1 << 62, (count,), generator=own).tolist()
         plan = RolloutPlan([StepSpec(sde=False) for _ in range(len(sigmas) - 1)], roots_per_prompt=n)
-        with self.precision():
-            tree = rollout(self.adapter, cond, plan, sigmas, self.latent_shape, kernel="ode", noise_level=0.0,
-                           generator=torch.Generator(), initial_noise=noise, max_batch=self.max_batch,
-                           guidance_scale=self.guidance, negative=self.negative)
-        images = self.adapter.decode(tree.leaves.float())
-        cheap = self.rewards(images, [p for p in prompts for _ in range(n)],
-                             [m for m in metadata for _ in range(n)]).total.view(len(prompts), n)  # (P, N)
+        nfe, cheap_rows = 0, []
+        for mine in ([list(range(count))] if batches is None else batches):
+            index = torch.tensor(mine)
+            with self.precision():
+                tree = rollout(self.adapter, cond.index(index.to(self.adapter.device)), plan, sigmas,
+                               self.latent_shape, kernel="ode", noise_level=0.0, generator=torch.Generator(),
+                               initial_noise=noise.view(count, n, *self.latent_shape)[index].flatten(0, 1),
+                               max_batch=self.max_batch, guidance_scale=self.guidance, negative=self.negative)
+            images = self.adapter.decode(tree.leaves.float())
+            cheap = self.rewards(images, [prompts[g] for g in mine for _ in range(n)],
+                                 [metadata[g] for g in mine for _ in range(n)]).total.view(len(mine), n)  # (mine, N)
+            nfe += tree.nfe
+            cheap_rows += [(g, cheap[i].cpu()) for i, g in enumerate(mine)]
+        if self.procs is not None and self.procs.distributed:
+            cheap_rows = self.procs.gather(cheap_rows)
+            nfe = sum(self.procs.gather([nfe]))
+        cheap = torch.stack([r for _, r in sorted(cheap_rows, key=lambda row: row[0])])  # (P, N)
         self.cheap_rewards = cheap
-        picks = [choose(cheap[g], roots[g], o.select, own) for g in range(len(prompts))]
+        picks = [choose(cheap[g], roots[g], o.select, torch.Generator().manual_seed(choice_seeds[g]))
+                 for g in range(count)]
         self.chosen_rewards = torch.cat([cheap[g, k] for g, k in enumerate(picks)])  # (sum(roots),)
         chosen = torch.cat([noise[g * n + torch.tensor(k)] for g, k in enumerate(picks)])
-        return chosen, {"pool/seconds": time.perf_counter() - start, "pool/nfe": tree.nfe,
+        return chosen, {"pool/seconds": time.perf_counter() - start, "pool/nfe": nfe,
                         "pool/cheap_reward_mean": float(torch.nan_to_num(cheap).mean()),
                         "pool/chosen_cheap_reward_mean": float(torch.nan_to_num(self.chosen_rewards).mean())}
 

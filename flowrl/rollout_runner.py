@@ -81,6 +81,18 @@ class RolloutRunner:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-reward")
         return self._pool
 
+    def batch_bounds(self, n: int) -> list[int]:
+        """The first prompt of each of an iteration's rollout batches, and n: ``n`` prompts in
+        min(rollout_batches, n) batches as even as they come."""
+        k = min(self.options.rollout_batches, n)
+        return [round(i * n / k) for i in range(k + 1)]
+
+    def my_batches(self, n: int) -> list[list[int]]:
+        """The prompts of each rollout batch of ``n`` prompts that this process rolls out (its batches, dealt
+        round-robin; in one process every batch)."""
+        bounds = self.batch_bounds(n)
+        return [list(range(bounds[j], bounds[j + 1])) for j in self.procs.share(list(range(len(bounds) - 1)))]
+
     def __call__(self, cond, plan, gen: torch.Generator, prompts: list[str], metadata: list, roots=None,
                  initial_noise: torch.Tensor | None = None):
         """Roll out ``plan`` for every prompt (rows of ``cond``) and score the leaves; ``initial_noise`` (every
@@ -91,8 +103,8 @@ class RolloutRunner:
         seconds_reward_hidden = seconds_reward - seconds_reward_wait (the time the overlap saved)."""
         o, procs = self.options, self.procs
         n = len(prompts)
-        k = min(o.rollout_batches, n)
-        bounds = [round(i * n / k) for i in range(k + 1)]
+        bounds = self.batch_bounds(n)
+        k = len(bounds) - 1
         use_async = o.async_reward and k > 1
         pool = self._worker() if use_async else None
 

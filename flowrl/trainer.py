@@ -126,7 +126,7 @@ class Trainer:
             check_pool(cfg, self.algorithm.plan(first, random.Random(iteration_seed(cfg.train.seed, first)),
                                                 self.sigmas), None, self.procs.distributed)
             self.pool = CandidatePool(cfg, self.adapter, sigmas_for(cfg, self.adapter, cfg.sampler.pool.num_steps),
-                                      self.latent_shape, self.rewards, self.negative)
+                                      self.latent_shape, self.rewards, self.negative, self.procs)
         # model FLOPs per phase, each input shape counted once (flowrl/throughput.py): every transformer that runs
         self.meter = FlopMeter([self.adapter.transformer, *self.adapter.extra_transformers(),
                                 self.policy.frozen])
@@ -238,7 +238,8 @@ class Trainer:
             if self.pool is not None:  # the cheap pass chooses the initial noises (its evaluations count as rollout)
                 check_pool(cfg, plan, roots, self.procs.distributed)
                 noise, pool_stats = self.pool(cond, gen, prompts, metadata,
-                                              roots or [plan.roots_per_prompt] * len(prompts))
+                                              roots or [plan.roots_per_prompt] * len(prompts),
+                                              self.runner.my_batches(len(prompts)))
                 row.update(pool_stats)
             tree, scores, timing = self.runner(cond, plan, gen, prompts, metadata, roots, initial_noise=noise)
         row.update(timing)

@@ -138,3 +138,23 @@ def test_two_process_resume_continues_exactly(tmp_path):
     wa = load_file(tmp_path / "whole/checkpoints/iter_00001/pytorch_lora_weights.safetensors")
     wb = load_file(tmp_path / "cut/checkpoints/iter_00001/pytorch_lora_weights.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_two_processes_with_a_candidate_pool_equal_one(tmp_path):
+    """sampler.pool under data parallelism: each process scores the candidates of its own rollout batches, the
+    choices are exchanged, and the run equals one process's (the cheap pass runs batch by batch in both). In fp32,
+    so every number is exact; in bf16 the cheap rewards agree to the bf16 kernels' rounding (4e-8 in the mean here,
+    the choices and so the rollouts the same)."""
+    pool = ["train.prompts_per_iter=4", "sampler.num_steps=4", "sampler.pool.size=12", "sampler.pool.num_steps=2",
+            "sampler.pool.select=best_worst", "sampler.pool.precision=fp32"]
+    for name, n in (("one", 1), ("two", 2)):
+        done = _train(tmp_path, name, n, "tiny_flow_grpo.yaml", *pool)
+        assert done.returncode == 0, done.stderr[-3000:]
+    one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    for a, b in zip(one, two):
+        for k in (*EXACT, "pool/nfe", "pool/cheap_reward_mean", "pool/chosen_cheap_reward_mean",
+                  "pool/rank_correlation"):
+            if k in a:
+                assert a[k] == b[k], k
+        assert a["pool/nfe"] == 4 * 12 * 2 and "pool/rank_correlation" in a
+    assert one[0]["ratio_max_abs_dev_first_update"] < 1e-5 and two[0]["ratio_max_abs_dev_first_update"] < 1e-5
