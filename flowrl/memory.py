@@ -214,6 +214,11 @@ def estimate(cfg, world_sizes: list[int], fsdp: bool | None = None, shard_size: 
         row = {"world_size": world, "shard_size": shards, **{k: v / GIB for k, v in parts.items()}}
         row["total"] = sum(v for k, v in row.items() if k not in ("world_size", "shard_size"))
         table.append(row)
+    pool = cfg.sampler.pool
+    if pool.size and pool.precision in ("int8", "fp8"):  # the quantized copy lives only during the cheap pass
+        notes = notes + [f"sampler.pool.precision={pool.precision}: during the cheap rollout a one-byte copy of the "
+                         f"linear weights (at most {counts['parameters'] / GIB:.2f} GiB) beside the weights, released "
+                         "before the update, whose peak the table gives"]
     return {"model": arch.class_name, **counts, "experts": arch.experts, "fsdp": sharded, "per_process_gib": table,
             "assumptions": notes + ["weights: trained fp32 masters, frozen in model.dtype; AdamW: two fp32 moments; "
                                     "not counted: the text encoders and VAE (held outside the sharded module), CUDA "
