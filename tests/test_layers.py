@@ -30,7 +30,7 @@ LAYERS = [
                                      "flowrl.prompts"]),
     ("models", ["flowrl.models", "flowrl.models.*"]),  # an adapter knows its pipeline's sigma schedule
     ("plan / kernels", ["flowrl.samplers", "flowrl.samplers.*"]),
-    ("config / errors / io", ["flowrl", "flowrl.config", "flowrl.errors", "flowrl.registry", "flowrl.resources",
+    ("config / errors / io", ["flowrl", "flowrl.config", "flowrl.config.*", "flowrl.errors", "flowrl.registry", "flowrl.resources",
                               "flowrl.tokenizer", "flowrl.report", "flowrl.report.*", "flowrl.cli_types",
                               "flowrl.digests", "flowrl.attention", "flowrl.low_precision", "flowrl.editing",
                               "flowrl.randomness"]),
