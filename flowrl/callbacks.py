@@ -250,9 +250,11 @@ class HeldOutMonitor(Callback):
         log = self.log
         if not log.eval_every:
             return None
+        start = time.perf_counter()
         with trainer.policy.ema_weights():
             result = self.evaluator(trainer.eval_sampler, log.eval_seeds[: log.eval_curve_seeds])
         result = trainer.procs.broadcast(result)  # the main process's numbers decide everywhere
+        seconds = time.perf_counter() - start  # the curve's share of a run's wall time is read from these
         value = result.get(self.metric)
         if not isinstance(value, (int, float)):
             numbers = ", ".join(sorted(k for k, v in result.items() if isinstance(v, (int, float))))
@@ -279,7 +281,8 @@ class HeldOutMonitor(Callback):
             self._write_best(trainer)
         if trainer.procs.is_main:
             report.append_metrics(trainer.folder.curve,
-                                  report.finite_json({"iteration": done, **trainer.work.counts, **result}))
+                                  report.finite_json({"iteration": done, **trainer.work.counts, **result,
+                                                      "seconds_curve_point": seconds}))
         name = self.metric
         if best is None or not finite:
             return None

@@ -83,6 +83,7 @@ def test_heldout_curve_counts_the_work_spent(tmp_path):
     run = Trainer(cfg).train()
     curve, rows = read_metrics(run / "eval_curve.jsonl"), read_metrics(run / "metrics.jsonl")
     assert [c["iteration"] for c in curve] == [0, 1, 2] and {c["images"] for c in curve} == {24}
+    assert all(c["seconds_curve_point"] > 0 for c in curve)  # each point's own sampling time, for the curve's share
     assert all(r["curriculum/nfe"] == 3 * 4 for r in rows)  # 3 candidates x one 4-step ODE anchor
     for c in curve[1:]:
         done = rows[: c["iteration"]]
