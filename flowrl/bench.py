@@ -314,28 +314,20 @@ def _settings(trainer) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     @contextlib.contextmanager
-    def threads(n):
-        old = torch.get_num_threads()
-        torch.set_num_threads(n)
+    def setting(read, write, value):  # a process-wide torch setting for the duration
+        old = read()
+        write(value)
         try:
             yield
         finally:
-            torch.set_num_threads(old)
-
-    @contextlib.contextmanager
-    def matmul(precision):
-        old = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision(precision)
-        try:
-            yield
-        finally:
-            torch.set_float32_matmul_precision(old)
+            write(old)
 
     n = torch.get_num_threads()
     return {
         f"as configured ({n} threads, fp32)": contextlib.nullcontext,
-        "one thread": (lambda: threads(1)) if n > 1 else None,
-        "fp32 matmul precision 'medium' (bf16 inside)": lambda: matmul("medium"),
+        "one thread": (lambda: setting(torch.get_num_threads, torch.set_num_threads, 1)) if n > 1 else None,
+        "fp32 matmul precision 'medium' (bf16 inside)": lambda: setting(
+            torch.get_float32_matmul_precision, torch.set_float32_matmul_precision, "medium"),
         "bf16 autocast": lambda: torch.autocast(trainer.device.type, dtype=torch.bfloat16),
         "SDPA math kernel only": lambda: sdpa_kernel([SDPBackend.MATH]),
     }
