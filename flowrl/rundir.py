@@ -17,10 +17,11 @@ from . import report
 from .checkpoint import checkpoints_newest_first
 from .config import save_config
 from .errors import ConfigError
+from .report.files import RUN_LOCK
 
 ABANDONED = "abandoned"
 MARKER = ".flowrl-run"  # written into every run folder when it opens: the folder is a run's, made by flowrl
-LOCK = ".lock"  # the run folder's lock file: one writer at a time (RunFolder.lock)
+LOCK = RUN_LOCK  # the run folder's lock file: one writer at a time (RunFolder.lock)
 _HELD_LOCKS: dict[Path, list] = {}  # lock file -> [descriptor, holders in this process]
 
 

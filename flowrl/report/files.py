@@ -9,6 +9,26 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+RUN_LOCK = ".lock"  # a run folder's lock file: one writer at a time (flowrl.rundir.RunFolder.lock)
+
+
+def run_being_written(folder: Path) -> bool:
+    """Whether a live process holds ``folder``'s run lock (an exclusive ``flock``; it ends with its process, so a
+    crashed writer's folder is not held)."""
+    import fcntl
+
+    path = Path(folder) / RUN_LOCK
+    if not path.is_file():
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # closing the descriptor releases a lock this probe took
+    return False
+
 
 @contextmanager
 def atomic_path(path: Path):

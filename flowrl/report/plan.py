@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from .files import run_being_written
 
 RUN_REF = re.compile(r"\{run:([\w.-]+):(\d+)\}")
 
@@ -97,6 +97,23 @@ def finished(run_dir: Path) -> bool:
     return path.is_file() and "after" in json.loads(path.read_text())
 
 
+def claim_folder(out: Path, name: str) -> str:
+    """Just before a plan run starts, what its folder holds now (another plan may share ``out``): ``finished`` (left
+    as it is), ``busy`` (another live process writes it: left to it), or ``ready`` (absent; an unfinished folder
+    from an interrupted plan, which no process writes, is moved to ``out/logs/interrupted/`` first, never
+    deleted)."""
+    folder = out / name
+    if finished(folder):
+        return "finished"
+    if run_being_written(folder):
+        return "busy"
+    if folder.exists():
+        aside = out / "logs" / "interrupted" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        folder.rename(aside)
+    return "ready"
+
+
 def run_plan(plan_path: Path, out: Path, jobs: int | None = None, only: list[str] | None = None,
              progress: bool = True) -> list[Path]:
     """Train every missing run of the plan (``only``: these labels), ``jobs`` at a time, each its own process
@@ -133,8 +150,12 @@ def run_plan(plan_path: Path, out: Path, jobs: int | None = None, only: list[str
         while ready and len(running) < jobs:
             r = ready.pop(0)
             todo.remove(r)
-            if (out / r.name).exists():  # an unfinished run from an interrupted plan: start it again
-                shutil.rmtree(out / r.name)
+            state = claim_folder(out, r.name)  # decided now: the plan's first look may be hours old
+            if state != "ready":
+                bar.update(1)
+                if state == "busy":
+                    print(f"{r.name}: another process is training it; left to it", file=sys.stderr)
+                continue
             overrides = [RUN_REF.sub(lambda m: str(out / f"{m.group(1)}-s{m.group(2)}"), o) for o in r.overrides]
             cmd = [sys.executable, "-m", "flowrl", "train", r.config, *plan["protocol"], *overrides,
                    f"train.seed={r.seed}", f"log.output_dir={out}", f"log.run_name={r.name}", "log.progress=false"]
