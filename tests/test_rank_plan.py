@@ -82,32 +82,3 @@ def test_the_shipped_ranked_plan_is_found_from_any_folder(tmp_path, monkeypatch)
     assert {r.label for r in runs} == set(plan["labels"]) and len(runs) == 101
     assert all(Path(r.config).is_file() and Path(r.config).parent == configs_dir() for r in runs)
 
-
-def test_a_plan_claims_each_folder_when_it_starts_it_and_never_deletes_a_run(tmp_path):
-    """Two plans may share an output folder, and a plan's first look may be hours old: just before a run starts,
-    a folder finished since then is kept as it is, one another live process writes is left to it, and an unfinished
-    one nobody writes is moved under logs/interrupted/ with its files, not deleted."""
-    import fcntl
-    import os
-
-    from flowrl.report.plan import claim_folder
-
-    done = tmp_path / "a-s0"
-    done.mkdir()
-    (done / "eval.json").write_text(json.dumps({"before": {"all": 0.5}, "after": {"all": 0.6}}))
-    assert claim_folder(tmp_path, "a-s0") == "finished" and (done / "eval.json").is_file()
-
-    busy = tmp_path / "b-s0"
-    busy.mkdir()
-    (busy / "metrics.jsonl").write_text('{"iteration": 0}\n')
-    fd = os.open(busy / ".lock", os.O_RDWR | os.O_CREAT)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a writer holds the run (another open file: a lock conflict)
-    try:
-        assert claim_folder(tmp_path, "b-s0") == "busy" and (busy / "metrics.jsonl").is_file()
-    finally:
-        os.close(fd)
-    assert claim_folder(tmp_path, "b-s0") == "ready" and not busy.exists()  # its writer gone: set aside
-    aside = list((tmp_path / "logs" / "interrupted").iterdir())
-    assert [p.name.startswith("b-s0-") for p in aside] == [True]
-    assert (aside[0] / "metrics.jsonl").read_text() == '{"iteration": 0}\n'
-    assert claim_folder(tmp_path, "c-s0") == "ready"  # nothing there
