@@ -18,8 +18,6 @@ from contextlib import contextmanager
 
 import torch
 
-from ..randomness import keeps_generators
-
 # The published transformer/config.json of the presets' checkpoints (class, config), so that no download is needed.
 SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
                    num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
@@ -125,7 +123,6 @@ def _clip_text(config: dict, device, dtype):
                                                           eos_token_id=49407, pad_token_id=49407)).eval()
 
 
-@keeps_generators  # seeds its own build; the caller's generators are left as they were
 def sd35_medium_pipeline(shrunk: bool = False, max_tokens: int = 256, seed: int = 0):
     """Stable Diffusion 3.5 Medium (or its shrunk twin) with random weights, on the accelerator where there is one;
     ``max_tokens`` T5 tokens per prompt (the presets' ``model.max_sequence_length``)."""

@@ -9,10 +9,8 @@ from pathlib import Path
 import torch
 
 from ..errors import FlowRLError
-from ..randomness import keeps_generators
 
 
-@keeps_generators  # seeds its own build; the caller's generators are left as they were
 def build_tiny_sd3_pipeline(tiny, seed: int = 0):
     """A tiny SD3-architecture pipeline from configs, offline and randomly initialised.
 
@@ -110,7 +108,6 @@ def _rope_axes(head_dim: int) -> tuple[int, int, int]:
     return first, second, head_dim - first - second
 
 
-@keeps_generators  # seeds its own build; the caller's generators are left as they were
 def build_tiny_flux_pipeline(tiny, seed: int = 0, pixel_space: bool = False):
     """A tiny FLUX.1-dev-architecture pipeline from configs, offline and randomly initialised: a 2x VAE with 4
     latent channels (16 after 2x2 packing), CLIP + T5 encoders (the T5 uses the offline CLIP tokenizer; a real
@@ -212,7 +209,6 @@ def build_tiny_byte_level_tokenizer(vocab_size: int = 600):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|endoftext|>")
 
 
-@keeps_generators  # seeds its own build; the caller's generators are left as they were
 def build_tiny_qwenimage_pipeline(tiny, seed: int = 0):
     """A tiny Qwen-Image-architecture pipeline from configs, offline and randomly initialised: a Qwen2.5-VL text
     encoder (a tiny vision tower included, as the class requires), the byte-level tokenizer above, a 2x
@@ -249,7 +245,6 @@ def build_tiny_qwenimage_pipeline(tiny, seed: int = 0):
                              transformer=transformer)
 
 
-@keeps_generators  # seeds its own build; the caller's generators are left as they were
 def build_tiny_qwenimage_edit_pipeline(tiny, seed: int = 0):
     """A tiny Qwen-Image-Edit pipeline: the tiny Qwen-Image architecture (:func:`build_tiny_qwenimage_pipeline`)
     whose byte-level tokenizer also has Qwen2.5-VL's vision tokens, so that its text encoder (with its tiny vision
@@ -305,7 +300,6 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-@keeps_generators  # seeds its own build; the caller's generators are left as they were
 def build_tiny_flux2_pipeline(tiny, seed: int = 0):
     """A tiny FLUX.2 [klein]-architecture pipeline (Qwen3 text encoder, the offline byte-level tokenizer with a
     chat template, a 2x FLUX.2 VAE with 4 latent channels and batch-norm statistics, no guidance embedding).
@@ -345,7 +339,6 @@ def build_tiny_flux2_pipeline(tiny, seed: int = 0):
     return pipe, {"text_encoder_out_layers": layers}
 
 
-@keeps_generators  # seeds its own build; the caller's generators are left as they were
 def build_tiny_zimage_pipeline(tiny, seed: int = 0):
     """A tiny Z-Image-architecture pipeline: a Qwen3 text encoder with the offline byte-level tokenizer and a chat
     template, a 2x FLUX-style VAE with 4 latent channels (scaling and shift factors away from 1 and 0, so decoding
@@ -376,7 +369,6 @@ def build_tiny_zimage_pipeline(tiny, seed: int = 0):
                           transformer=transformer)
 
 
-@keeps_generators  # seeds its own build; the caller's generators are left as they were
 def build_tiny_wan_pipeline(tiny, seed: int = 0):
     """A tiny Wan 2.1-architecture text-to-video pipeline: a UMT5 encoder with the offline byte-level tokenizer, a
     Wan VAE with 2x spatial and 2x temporal compression and 4 latent channels, the 3D transformer, and the
@@ -409,7 +401,6 @@ def build_tiny_wan_pipeline(tiny, seed: int = 0):
 
 
 
-@keeps_generators  # seeds its own build; the caller's generators are left as they were
 def build_tiny_hunyuanvideo15_pipeline(tiny, seed: int = 0):
     """A tiny HunyuanVideo 1.5-architecture text-to-video pipeline: a Qwen2.5-VL text model with the offline
     byte-level tokenizer and a chat template (a short system message, the template's prefix cropped as the pipeline
@@ -462,7 +453,6 @@ def build_tiny_hunyuanvideo15_pipeline(tiny, seed: int = 0):
     return pipe
 
 
-@keeps_generators  # seeds its own build; the caller's generators are left as they were
 def build_tiny_ltx2_pipeline(tiny, seed: int = 0):
     """A tiny LTX-2-architecture audio-video pipeline: a Gemma 3 text encoder (a tiny vision tower included, as the
     class requires) with the offline byte-level tokenizer, the text connectors that turn Gemma's stacked hidden states
