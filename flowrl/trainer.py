@@ -77,8 +77,8 @@ class Trainer:
         self.cfg = cfg = launch_config(cfg)  # under an FSDP accelerate launch, a copy with train.fsdp on
         self.device = resolve_device(cfg.device)
         # LoRA's initial weights, and what a family's transformer draws while it trains, come from torch's global
-        # generator: the run seeds it (the same state on every process; a model builder restores it after seeding
-        # its own build, so a process that builds more, or probes memory, still starts training in step)
+        # generator: the run seeds it (the same state on every process; a tiny model's builder seeds it again for
+        # its own build, and the memory probe, on the main process only, restores it after its own seeding)
         torch.manual_seed(cfg.train.seed)
         self._setup(cfg, config_name, run_dir, callbacks)
 
