@@ -23,10 +23,7 @@ This module measures; :class:`flowrl.callbacks.RewardHackingGuard` runs the chec
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 
 from .rewards.embedding import diversity, pixel_embeddings  # noqa: F401  (the guard's diversity, shared with methods)
 

@@ -21,9 +21,20 @@ from flowrl.errors import RewardError
 from .loading import resolve_pretrained_dir, to_pil
 
 
-class ImageEmbedder:
+class _FramesAveraged:
     """``embedder(images)``: images (N, 3, H, W) in [0, 1], or videos (N, F, 3, H, W) whose frames' vectors are
-    averaged -> (N, D) float32 on the CPU."""
+    averaged -> (N, D) float32 on the CPU; a subclass embeds a batch of images in ``embed``."""
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        if images.ndim == 5:  # videos: every frame embedded, the frames' vectors averaged
+            n, f = images.shape[:2]
+            return self(images.flatten(0, 1)).view(n, f, -1).mean(1)
+        return self.embed(images)
+
+
+class ImageEmbedder(_FramesAveraged):
+    """A transformers vision backbone's pooled vector per image (see the module text)."""
 
     def __init__(self, name_or_path: str, device: str | None = None):
         path = resolve_pretrained_dir("image embedder", name_or_path,
@@ -40,11 +51,7 @@ class ImageEmbedder:
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.name = name_or_path
 
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        if images.ndim == 5:  # videos: every frame embedded, the frames' vectors averaged
-            n, f = images.shape[:2]
-            return self(images.flatten(0, 1)).view(n, f, -1).mean(1)
+    def embed(self, images: torch.Tensor) -> torch.Tensor:  # (N, 3, H, W) -> (N, D)
         pixels = self.processor(images=to_pil(images.detach().float().cpu()), return_tensors="pt")["pixel_values"]
         pixels = pixels.to(self.device, self.model.dtype)
         if hasattr(self.model, "get_image_features"):  # a dual encoder: its projected image embedding
@@ -60,20 +67,15 @@ class ImageEmbedder:
 TINY_CLIP = "tiny-clip"
 
 
-class TinyClipEmbedder:
-    """The shipped tiny shapes CLIP's normalised image embeddings (64-d), for the shapes models: ``embedder(images)``
-    as :class:`ImageEmbedder`'s."""
+class TinyClipEmbedder(_FramesAveraged):
+    """The shipped tiny shapes CLIP's normalised image embeddings (64-d), for the shapes models."""
 
     def __init__(self):
         from .clip import ClipScore
 
         self.clip, self.name = ClipScore("tiny-shapes"), TINY_CLIP
 
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        if images.ndim == 5:
-            n, f = images.shape[:2]
-            return self(images.flatten(0, 1)).view(n, f, -1).mean(1)
+    def embed(self, images: torch.Tensor) -> torch.Tensor:  # (N, 3, H, W) -> (N, 64)
         return self.clip.embed_images(images).cpu()
 
 
